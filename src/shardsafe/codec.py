@@ -1,0 +1,225 @@
+"""Safe encoding of non-tensor state (common state, ShardedObjects) as JSON plus byte blobs.
+
+Loading never runs code from the checkpoint: plain data is JSON; tensors, numpy arrays and
+bytes are raw blobs; dtypes, devices, sizes and ``argparse.Namespace`` have explicit tags;
+anything else is stored with ``torch.save`` and read back only by
+``torch.load(weights_only=True)``, which refuses classes that are not allow-listed.
+
+Encoded nodes: JSON ``null``/bool/int/str and lists stand for themselves; everything else is
+a one-key object whose key starts with ``$`` (``{"$dict": [[k, v], ...]}``, ``{"$tensor": ...}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .dtypes import dtype_from_name, dtype_name
+from .errors import CorruptCheckpointError
+from .sharding import PLACEHOLDER
+
+
+@dataclass
+class EncodedTree:
+    """The JSON form of a tree and the blobs it refers to by id."""
+
+    node: Any
+    blobs: dict[str, bytes | memoryview] = field(default_factory=dict)
+
+
+class UnsafeObjectError(CorruptCheckpointError):
+    """``torch.load(weights_only=True)`` refused an object stored in the checkpoint."""
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian C-order bytes of a (CPU) tensor, without copying when contiguous."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def encode(tree: Any, blob_prefix: str) -> EncodedTree:
+    """Encode ``tree``; blobs get ids ``f"{blob_prefix}{n}"``."""
+    out = EncodedTree(None)
+
+    def blob(data: bytes | memoryview) -> str:
+        blob_id = f"{blob_prefix}{len(out.blobs)}"
+        out.blobs[blob_id] = data
+        return blob_id
+
+    def enc(x: Any) -> Any:
+        if x is PLACEHOLDER:
+            return {"$sharded": None}
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, int) and type(x) is int:
+            return x
+        if isinstance(x, float) and type(x) is float:
+            return x if math.isfinite(x) else {"$float": repr(x)}
+        if isinstance(x, torch.Tensor):
+            if x.layout != torch.strided or x.is_quantized or x.is_nested:
+                return pickled(x)
+            return {"$tensor": {"dtype": dtype_name(x.dtype), "shape": list(x.shape), "blob": blob(tensor_bytes(x))}}
+        if isinstance(x, np.ndarray) and x.dtype.kind in "biufc" and x.dtype.byteorder in "=<|":
+            a = np.ascontiguousarray(x)
+            return {"$ndarray": {"dtype": a.dtype.str, "shape": list(a.shape), "blob": blob(memoryview(a).cast("B") if a.size else b"")}}
+        if isinstance(x, np.generic) and x.dtype.kind in "biufc":
+            return {"$npscalar": {"dtype": x.dtype.str, "value": enc(x.item())}}
+        if isinstance(x, (bytes, bytearray)):
+            return {"$bytes": blob(bytes(x))}
+        if isinstance(x, torch.dtype):
+            return {"$dtype": dtype_name(x)}
+        if isinstance(x, torch.device):
+            return {"$device": str(x)}
+        if isinstance(x, torch.Size):
+            return {"$size": list(x)}
+        if isinstance(x, argparse.Namespace):
+            return {"$namespace": enc(vars(x))}
+        if type(x) is dict:
+            return {"$dict": [[enc(k), enc(v)] for k, v in x.items()]}
+        if type(x) is list:
+            return [enc(v) for v in x]
+        if type(x) is tuple:
+            return {"$tuple": [enc(v) for v in x]}
+        return pickled(x)
+
+    def pickled(x: Any) -> Any:
+        buf = io.BytesIO()
+        try:
+            torch.save(x, buf)
+        except Exception as e:
+            raise TypeError(f"cannot store a {type(x).__module__}.{type(x).__qualname__} in a checkpoint: {e}") from e
+        return {"$torch_save": {"type": f"{type(x).__module__}.{type(x).__qualname__}", "blob": blob(buf.getvalue())}}
+
+    out.node = enc(tree)
+    return out
+
+
+def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "manifest") -> Any:
+    """Rebuild a tree; ``fetch(blob_id)`` returns the verified bytes of a blob."""
+
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {msg}")
+
+    def dec(x: Any) -> Any:
+        if x is None or isinstance(x, (bool, str, int, float)):
+            return x
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        if not isinstance(x, dict) or len(x) != 1:
+            raise bad(f"malformed encoded value {str(x)[:80]!r}")
+        ((tag, body),) = x.items()
+        if tag == "$sharded":
+            return None
+        if tag == "$float":
+            if body not in ("nan", "inf", "-inf"):
+                raise bad(f"bad float {body!r}")
+            return float(body)
+        if tag == "$dict":
+            if not isinstance(body, list) or not all(isinstance(p, list) and len(p) == 2 for p in body):
+                raise bad("malformed $dict")
+            out = {}
+            for k, v in body:
+                key = dec(k)
+                try:
+                    out[key] = dec(v)
+                except TypeError:
+                    raise bad(f"unhashable dict key {str(k)[:80]}") from None
+            return out
+        if tag == "$tuple":
+            if not isinstance(body, list):
+                raise bad("malformed $tuple")
+            return tuple(dec(v) for v in body)
+        if tag == "$tensor":
+            dtype = dtype_from_name(_field(body, "dtype", str, where), where)
+            shape = _shape(body, where)
+            data = fetch(_field(body, "blob", str, where))
+            return _tensor_from_bytes(data, dtype, shape, where)
+        if tag == "$ndarray":
+            try:
+                dt = np.dtype(_field(body, "dtype", str, where))
+            except TypeError:
+                raise bad(f"bad numpy dtype {body.get('dtype')!r}") from None
+            if dt.kind not in "biufc":
+                raise bad(f"numpy dtype {dt} is not allowed")
+            shape = _shape(body, where)
+            raw = bytes(fetch(_field(body, "blob", str, where)))
+            if len(raw) != math.prod(shape) * dt.itemsize:
+                raise bad(f"ndarray blob holds {len(raw)} bytes, expected {math.prod(shape) * dt.itemsize}")
+            return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+        if tag == "$npscalar":
+            try:
+                dt = np.dtype(_field(body, "dtype", str, where))
+                return dt.type(dec(body.get("value")))
+            except (TypeError, ValueError, OverflowError):
+                raise bad(f"bad numpy scalar {str(body)[:80]}") from None
+        if tag == "$bytes":
+            if not isinstance(body, str):
+                raise bad("malformed $bytes")
+            return bytes(fetch(body))
+        if tag == "$dtype":
+            return dtype_from_name(body, where)
+        if tag == "$device":
+            try:
+                return torch.device(body)
+            except (RuntimeError, TypeError):
+                raise bad(f"bad device {body!r}") from None
+        if tag == "$size":
+            if not isinstance(body, list) or not all(type(v) is int for v in body):
+                raise bad("malformed $size")
+            return torch.Size(body)
+        if tag == "$namespace":
+            d = dec(body)
+            if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
+                raise bad("malformed $namespace")
+            return argparse.Namespace(**d)
+        if tag == "$torch_save":
+            raw = fetch(_field(body, "blob", str, where))
+            try:
+                return torch.load(io.BytesIO(bytes(raw)), weights_only=True, map_location="cpu")
+            except pickle.UnpicklingError as e:
+                raise UnsafeObjectError(
+                    f"{where}: refused to load a stored {body.get('type')!r}: {str(e).splitlines()[0]} "
+                    "If you trust this checkpoint, allow the class with "
+                    "torch.serialization.add_safe_globals([...]) and load again."
+                ) from None
+            except Exception as e:
+                raise bad(f"cannot read a stored {body.get('type')!r}: {e}") from None
+        raise bad(f"unknown tag {tag!r}")
+
+    return dec(node)
+
+
+def _field(body: Any, name: str, kind: type, where: str) -> Any:
+    if not isinstance(body, dict) or not isinstance(body.get(name), kind):
+        raise CorruptCheckpointError(f"{where}: encoded value lacks a valid {name!r}")
+    return body[name]
+
+
+def _shape(body: Any, where: str) -> tuple[int, ...]:
+    shape = _field(body, "shape", list, where)
+    if not all(type(s) is int and s >= 0 for s in shape):
+        raise CorruptCheckpointError(f"{where}: bad shape {shape!r}")
+    return tuple(shape)
+
+
+def _tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], where: str) -> torch.Tensor:
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if len(data) != nbytes:
+        raise CorruptCheckpointError(f"{where}: tensor blob holds {len(data)} bytes, expected {nbytes}")
+    out = torch.empty(shape, dtype=dtype)
+    if nbytes:
+        out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    return out

@@ -1,0 +1,144 @@
+"""Collectives with error gathering, and a no-distributed mode.
+
+Every step that spans ranks runs through :func:`agree`: each rank contributes either a
+result or its exception, everyone learns everyone's outcome, and if any rank failed every
+rank raises the same :class:`CheckpointError` naming the failing ranks. No rank is left
+waiting in a collective that a failed peer will never reach.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as tdist
+
+from . import errors as _errors
+from .errors import CheckpointError, DistributedError, describe_ranks
+
+T = TypeVar("T")
+
+
+@dataclass
+class Comm:
+    """The ranks taking part in one checkpoint operation (a process group, or just this process)."""
+
+    group: Any = None
+    rank: int = 0
+    world_size: int = 1
+    distributed: bool = False
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        try:
+            tdist.all_gather_object(out, json.dumps(obj), group=self.group)
+        except Exception as e:
+            raise DistributedError(f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out") from e
+        return [json.loads(s) for s in out]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """To the coordinator only; other ranks get None."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        try:
+            tdist.gather_object(json.dumps(obj), out, dst=self.global_rank(0), group=self.group)
+        except Exception as e:
+            raise DistributedError(f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out") from e
+        return [json.loads(s) for s in out] if out is not None else None
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [json.dumps(obj) if self.is_coordinator else None]
+        try:
+            tdist.broadcast_object_list(box, src=self.global_rank(0), group=self.group)
+        except Exception as e:
+            raise DistributedError(f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out") from e
+        return json.loads(box[0])  # type: ignore[arg-type]
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """Item ``r`` of the coordinator's list on rank ``r``."""
+        if not self.distributed:
+            assert objs is not None
+            return objs[0]
+        out: list[Any] = [None]
+        inputs = [json.dumps(o) for o in objs] if self.is_coordinator and objs is not None else None
+        try:
+            tdist.scatter_object_list(out, inputs, src=self.global_rank(0), group=self.group)
+        except Exception as e:
+            raise DistributedError(f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out") from e
+        return json.loads(out[0])
+
+    def global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return tdist.get_global_rank(self.group, group_rank)
+
+
+def get_comm(process_group: Any = None) -> Comm:
+    """The ranks of ``process_group`` (default group if None), or a single-process Comm."""
+    if not (tdist.is_available() and tdist.is_initialized()):
+        if process_group is not None:
+            raise CheckpointError("a process_group was given but torch.distributed is not initialised")
+        return Comm()
+    return Comm(process_group, tdist.get_rank(process_group), tdist.get_world_size(process_group), True)
+
+
+def outcome(fn: Callable[[], T]) -> tuple[T | None, dict[str, Any] | None]:
+    """Run ``fn``; return ``(result, None)`` or ``(None, error_record)``."""
+    try:
+        return fn(), None
+    except Exception as e:
+        return None, error_record(e)
+
+
+def error_record(e: BaseException) -> dict[str, Any]:
+    cls = type(e).__name__ if isinstance(e, CheckpointError) else "CheckpointError"
+    return {"type": cls, "message": str(e) or type(e).__name__, "origin": type(e).__name__, "trace": traceback.format_exc(limit=6)}
+
+
+def raise_for(records: list[dict[str, Any] | None], stage: str) -> None:
+    """Raise one error on this rank if any rank's record is an error.
+
+    When every failing rank reports the same :class:`CheckpointError` (a validation error
+    computed from the same plan, say), that error is raised as-is; otherwise a
+    :class:`DistributedError` names each failing rank and its message.
+    """
+    failed = {r: rec for r, rec in enumerate(records) if rec is not None}
+    if not failed:
+        return
+    kinds = {(rec["type"], rec["message"]) for rec in failed.values()}
+    if len(kinds) == 1:
+        ((kind, message),) = kinds
+        cls = getattr(_errors, kind, None)
+        if isinstance(cls, type) and issubclass(cls, CheckpointError) and cls is not DistributedError:
+            if len(records) > 1 and len(failed) < len(records):
+                message = f"{message} (on {describe_ranks(list(failed))} during {stage})"
+            raise _make(cls, message)
+    lines = "; ".join(f"rank {r}: {rec['origin']}: {rec['message']}" for r, rec in sorted(failed.items())[:8])
+    raise DistributedError(f"{stage} failed on {describe_ranks(list(failed))}: {lines}", {r: rec["message"] for r, rec in failed.items()})
+
+
+def _make(cls: type[CheckpointError], message: str) -> CheckpointError:
+    if issubclass(cls, DistributedError):
+        return cls(message)
+    return cls(message)
+
+
+def agree(comm: Comm, fn: Callable[[], T], stage: str) -> T:
+    """Run ``fn`` on every rank; raise everywhere if it failed anywhere."""
+    result, err = outcome(fn)
+    records = comm.all_gather(err)
+    raise_for(records, stage)
+    return result  # type: ignore[return-value]

@@ -1,0 +1,68 @@
+"""One small exception tree.
+
+Every problem with a checkpoint's files or with a request surfaces as a subclass of
+:class:`CheckpointError`; each also subclasses the built-in exception it means, so
+``except FileNotFoundError`` keeps working for code that does not know shardsafe.
+Messages name the key, file and ranks involved and say what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+class CheckpointError(Exception):
+    """Base class of every error shardsafe raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The path holds no checkpoint at all."""
+
+    def __str__(self) -> str:  # FileNotFoundError would print errno-style tuples
+        return str(self.args[0]) if self.args else ""
+
+
+class IncompleteCheckpointError(CheckpointNotFoundError):
+    """The path holds the remains of a save that never committed."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """The target of a save exists and ``overwrite`` was not given, or a save into it is running."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """Files are unreadable, truncated, fail a checksum or hold something refused by the safe loader."""
+
+
+class ValidationError(CheckpointError, ValueError):
+    """The sharding described by the ranks is inconsistent: overlaps, gaps, shape/dtype disagreement."""
+
+
+class IncompatibleRequestError(CheckpointError, ValueError):
+    """What ``load`` was asked for does not fit what the checkpoint holds (shape, dtype, kind)."""
+
+
+class MissingKeyError(IncompatibleRequestError, KeyError):
+    """A requested key is not in the checkpoint (or a checkpoint key was not requested, in strict modes)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DistributedError(CheckpointError, RuntimeError):
+    """One or more ranks failed or did not answer in time; raised on every rank."""
+
+    def __init__(self, message: str, rank_errors: Mapping[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.rank_errors: dict[int, str] = dict(rank_errors or {})
+
+
+def describe_ranks(ranks: Sequence[int], limit: int = 8) -> str:
+    """``ranks 0, 1, 5`` / ``rank 3`` / ``ranks 0, 1, ... (+9 more)`` for messages."""
+    ranks = sorted(set(ranks))
+    head = ", ".join(str(r) for r in ranks[:limit])
+    more = f", ... (+{len(ranks) - limit} more)" if len(ranks) > limit else ""
+    return f"rank{'s' if len(ranks) != 1 else ''} {head}{more}"

@@ -1,0 +1,289 @@
+"""Format v1: the manifest's dataclasses, their JSON form, and the names of files.
+
+The spec for humans is FORMAT.md at the project root; ``schema/manifest.schema.json`` is
+its JSON Schema. Parsing here is strict: anything malformed becomes a
+:class:`CorruptCheckpointError` naming the field, and no file name can point outside the
+checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checksum import ALGORITHM, block_count
+from .dtypes import dtype_from_name, itemsize
+from .errors import CorruptCheckpointError
+from .geometry import Box, flat_range_to_boxes
+
+FORMAT_NAME = "shardsafe"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DATA_DIR = "data"
+_FILE_NAME = re.compile(r"^data/[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+
+def data_file_name(rank: int, index: int) -> str:
+    """``data/rank-00003-01.bin``: the ``index``-th data file written by ``rank``."""
+    return f"{DATA_DIR}/rank-{rank:05d}-{index:02d}.bin"
+
+
+def check_file_name(name: Any, where: str = MANIFEST_NAME) -> str:
+    """Refuse any data-file name that could escape the checkpoint directory."""
+    if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name:
+        raise CorruptCheckpointError(
+            f"{where}: data file name {str(name)[:100]!r} is not allowed (must look like "
+            "'data/rank-00000-00.bin'); the manifest is corrupt or was tampered with"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """Where a run of bytes lives: a data file, a byte offset, a length and block checksums."""
+
+    file: str
+    byte_offset: int
+    nbytes: int
+    checksums: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "byte_offset": self.byte_offset, "nbytes": self.nbytes, "checksums": list(self.checksums)}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredPiece:
+    """A stored piece of a tensor: the box ``offset``/``shape``, or the flat range ``flat`` of it."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    flat: tuple[int, int] | None
+    extent: Extent
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offset, self.shape)
+
+    @property
+    def numel(self) -> int:
+        return self.flat[1] - self.flat[0] if self.flat else math.prod(self.shape)
+
+    def boxes(self) -> list[tuple[int, Box]]:
+        """``(element position in the piece's bytes, global box)``, each box contiguous there."""
+        if self.flat is None:
+            return [(0, self.box)]
+        return [(pos, b.shifted(self.offset)) for pos, b in flat_range_to_boxes(self.shape, *self.flat)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "offset": list(self.offset),
+            "shape": list(self.shape),
+            "flat": list(self.flat) if self.flat else None,
+            **self.extent.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[StoredPiece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(dtype_from_name(self.dtype))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "pieces": [p.to_json() for p in self.pieces]}
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectEntry:
+    """One ShardedObject cell; ``value`` is its encoded form (see codec.py)."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    value: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "global_shape": list(self.global_shape), "global_offset": list(self.global_offset), "value": self.value}
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    nbytes: int
+    rank: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nbytes": self.nbytes, "rank": self.rank}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything about a checkpoint except the bytes. Written last: its presence is the commit."""
+
+    world_size: int
+    block_bytes: int
+    files: Mapping[str, FileEntry]
+    tensors: Mapping[str, TensorEntry]
+    objects: Mapping[str, ObjectEntry]
+    blobs: Mapping[str, Extent]
+    common: Any
+    created: str = ""
+    library_version: str = ""
+    user_metadata: Mapping[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "library_version": self.library_version,
+            "created": self.created,
+            "world_size": self.world_size,
+            "checksum": {"algorithm": ALGORITHM, "block_bytes": self.block_bytes},
+            "files": {k: v.to_json() for k, v in sorted(self.files.items())},
+            "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+            "objects": {k: v.to_json() for k, v in self.objects.items()},
+            "blobs": {k: v.to_json() for k, v in self.blobs.items()},
+            "common": self.common,
+            "user_metadata": dict(self.user_metadata),
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files.values())
+
+    @staticmethod
+    def loads(raw: bytes, where: str = MANIFEST_NAME) -> Manifest:
+        try:
+            obj = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{where} is not valid JSON ({e}); the checkpoint is corrupt") from None
+        return Manifest.from_json(obj, where)
+
+    @staticmethod
+    def from_json(obj: Any, where: str = MANIFEST_NAME) -> Manifest:
+        return _Parser(where).manifest(obj)
+
+
+class _Parser:
+    """Strict, message-rich validation of a manifest's JSON."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def bad(self, ctx: str, msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.where}: {ctx}: {msg}; the checkpoint is corrupt or not a shardsafe v{FORMAT_VERSION} checkpoint")
+
+    def get(self, obj: Any, name: str, kind: type | tuple[type, ...], ctx: str) -> Any:
+        if not isinstance(obj, dict) or name not in obj:
+            raise self.bad(ctx, f"missing field {name!r}")
+        value = obj[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.bad(ctx, f"field {name!r} has the wrong type ({type(value).__name__})")
+        return value
+
+    def nat(self, obj: Any, name: str, ctx: str) -> int:
+        value = self.get(obj, name, int, ctx)
+        if isinstance(value, bool) or value < 0:
+            raise self.bad(ctx, f"field {name!r} must be a non-negative integer")
+        return int(value)
+
+    def ints(self, obj: Any, name: str, ctx: str) -> tuple[int, ...]:
+        value = self.get(obj, name, list, ctx)
+        if not all(type(v) is int and v >= 0 for v in value) or len(value) > 64:
+            raise self.bad(ctx, f"field {name!r} must be a list of non-negative integers")
+        return tuple(value)
+
+    def manifest(self, obj: Any) -> Manifest:
+        if not isinstance(obj, dict):
+            raise self.bad("top level", "not a JSON object")
+        if obj.get("format") != FORMAT_NAME:
+            raise self.bad("top level", f"format is {obj.get('format')!r}, expected {FORMAT_NAME!r}")
+        version = obj.get("version")
+        if version != FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{self.where}: format version {version!r} is not supported by this shardsafe "
+                f"(reads version {FORMAT_VERSION}); upgrade shardsafe to read it"
+            )
+        checksum = self.get(obj, "checksum", dict, "top level")
+        if checksum.get("algorithm") != ALGORITHM:
+            raise self.bad("checksum", f"unknown algorithm {checksum.get('algorithm')!r}")
+        block_bytes = self.nat(checksum, "block_bytes", "checksum")
+        if block_bytes < 1:
+            raise self.bad("checksum", "block_bytes must be positive")
+        files: dict[str, FileEntry] = {}
+        for name, f in self.get(obj, "files", dict, "top level").items():
+            check_file_name(name, self.where)
+            files[name] = FileEntry(self.nat(f, "nbytes", f"file {name}"), self.nat(f, "rank", f"file {name}"))
+        tensors = {}
+        for key, t in self.get(obj, "tensors", dict, "top level").items():
+            tensors[key] = self.tensor(key, t, files, block_bytes)
+        objects = {}
+        for ukey, o in self.get(obj, "objects", dict, "top level").items():
+            ctx = f"object {ukey!r}"
+            objects[ukey] = ObjectEntry(
+                self.get(o, "key", str, ctx), self.ints(o, "global_shape", ctx), self.ints(o, "global_offset", ctx),
+                o.get("value") if isinstance(o, dict) else None,
+            )
+        blobs = {bid: self.extent(b, f"blob {bid!r}", files, block_bytes) for bid, b in self.get(obj, "blobs", dict, "top level").items()}
+        user = obj.get("user_metadata", {})
+        return Manifest(
+            world_size=self.nat(obj, "world_size", "top level"),
+            block_bytes=block_bytes,
+            files=files,
+            tensors=tensors,
+            objects=objects,
+            blobs=blobs,
+            common=obj.get("common"),
+            created=str(obj.get("created", "")),
+            library_version=str(obj.get("library_version", "")),
+            user_metadata=user if isinstance(user, dict) else {},
+        )
+
+    def extent(self, obj: Any, ctx: str, files: Mapping[str, FileEntry], block_bytes: int) -> Extent:
+        name = check_file_name(self.get(obj, "file", str, ctx), self.where)
+        if name not in files:
+            raise self.bad(ctx, f"refers to {name}, which the files table does not list")
+        offset, nbytes = self.nat(obj, "byte_offset", ctx), self.nat(obj, "nbytes", ctx)
+        if offset + nbytes > files[name].nbytes:
+            raise self.bad(ctx, f"bytes [{offset}, {offset + nbytes}) lie beyond the end of {name} ({files[name].nbytes} bytes)")
+        sums = self.get(obj, "checksums", list, ctx)
+        if len(sums) != block_count(nbytes, block_bytes) or not all(isinstance(s, str) and len(s) <= 32 for s in sums):
+            raise self.bad(ctx, f"expected {block_count(nbytes, block_bytes)} block checksums, found {len(sums)}")
+        return Extent(name, offset, nbytes, tuple(sums))
+
+    def tensor(self, key: str, obj: Any, files: Mapping[str, FileEntry], block_bytes: int) -> TensorEntry:
+        ctx = f"tensor {key!r}"
+        dtype = self.get(obj, "dtype", str, ctx)
+        size = itemsize(dtype_from_name(dtype, f"{self.where}: {ctx}"))
+        shape = self.ints(obj, "shape", ctx)
+        pieces = []
+        for i, p in enumerate(self.get(obj, "pieces", list, ctx)):
+            pctx = f"{ctx} piece {i}"
+            offset, pshape = self.ints(p, "offset", pctx), self.ints(p, "shape", pctx)
+            if len(offset) != len(shape) or len(pshape) != len(shape) or not Box(offset, pshape).within(shape):
+                raise self.bad(pctx, f"box {offset}+{pshape} does not fit the tensor's shape {shape}")
+            flat_raw = p.get("flat") if isinstance(p, dict) else None
+            flat: tuple[int, int] | None = None
+            if flat_raw is not None:
+                if not (isinstance(flat_raw, list) and len(flat_raw) == 2 and all(type(v) is int for v in flat_raw)) or not (
+                    0 <= flat_raw[0] <= flat_raw[1] <= math.prod(pshape)
+                ):
+                    raise self.bad(pctx, f"flat range {flat_raw!r} is not inside the box's {math.prod(pshape)} elements")
+                flat = (flat_raw[0], flat_raw[1])
+            extent = self.extent(p, pctx, files, block_bytes)
+            numel = flat[1] - flat[0] if flat else math.prod(pshape)
+            if extent.nbytes != numel * size:
+                raise self.bad(pctx, f"holds {extent.nbytes} bytes, but {numel} {dtype} elements need {numel * size}")
+            pieces.append(StoredPiece(offset, pshape, flat, extent))
+        return TensorEntry(dtype, shape, tuple(pieces))

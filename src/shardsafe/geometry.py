@@ -1,0 +1,198 @@
+"""Pure n-d geometry: boxes, flat ranges, intersections and coverage.
+
+Every stored or requested piece of a tensor is normalised here into boxes (a global offset
+plus a shape). A flat range ``[a, b)`` of the row-major flattening of a box, as ZeRO and
+Megatron's distributed optimizer produce, becomes at most ``2n - 1`` boxes, each of which
+is one contiguous run of the range. Resharding in any direction is then box ∩ box.
+
+No I/O, no torch: plain integers and tuples, so it can be tested at any scale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """An axis-aligned region ``offset <= index < offset + shape`` of an n-d array."""
+
+    offset: Shape
+    shape: Shape
+
+    def __post_init__(self) -> None:
+        if len(self.offset) != len(self.shape):
+            raise ValueError(f"box offset {self.offset} and shape {self.shape} differ in rank")
+        if any(s < 0 for s in self.shape) or any(o < 0 for o in self.offset):
+            raise ValueError(f"box offset {self.offset} / shape {self.shape} must be non-negative")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> Shape:
+        return tuple(o + s for o, s in zip(self.offset, self.shape, strict=True))
+
+    def within(self, shape: Sequence[int]) -> bool:
+        """True if the box lies inside an array of ``shape``."""
+        return len(shape) == self.ndim and all(e <= s for e, s in zip(self.end, shape, strict=True))
+
+    def shifted(self, delta: Sequence[int]) -> Box:
+        return Box(tuple(o + d for o, d in zip(self.offset, delta, strict=True)), self.shape)
+
+    def relative_to(self, origin: Sequence[int]) -> Box:
+        return Box(tuple(o - d for o, d in zip(self.offset, origin, strict=True)), self.shape)
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return Box((0,) * len(shape), tuple(shape))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common region of two boxes of the same rank, or None when they do not meet."""
+    if a.ndim != b.ndim:
+        raise ValueError(f"cannot intersect boxes of rank {a.ndim} and {b.ndim}")
+    lo = tuple(max(x, y) for x, y in zip(a.offset, b.offset, strict=True))
+    hi = tuple(min(x, y) for x, y in zip(a.end, b.end, strict=True))
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
+
+
+def strides(shape: Sequence[int]) -> Shape:
+    """Row-major element strides of ``shape``."""
+    out = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        out[i] = out[i + 1] * shape[i + 1]
+    return tuple(out)
+
+
+def flat_index(shape: Sequence[int], index: Sequence[int]) -> int:
+    return sum(i * s for i, s in zip(index, strides(shape), strict=True))
+
+
+def is_contiguous_in(outer_shape: Sequence[int], inner: Box) -> bool:
+    """True if ``inner`` is one contiguous run of the row-major flattening of ``outer_shape``.
+
+    That holds when every axis after the first one longer than 1 is taken whole.
+    """
+    if inner.numel == 0:
+        return True
+    axes = range(inner.ndim)
+    first = next((i for i in axes if inner.shape[i] != 1), inner.ndim)
+    return all(inner.shape[j] == outer_shape[j] for j in range(first + 1, inner.ndim))
+
+
+def flat_range_to_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[int, Box]]:
+    """Split the flat range ``[start, stop)`` of an array of ``shape`` into contiguous boxes.
+
+    Returns ``(position, box)`` pairs in flat order: ``box`` (in the array's coordinates)
+    holds the elements ``data[position : position + box.numel]`` of the range's data.
+    At most ``2 * ndim - 1`` boxes.
+    """
+    shape = tuple(shape)
+    total = math.prod(shape)
+    if not 0 <= start <= stop <= total:
+        raise ValueError(f"flat range [{start}, {stop}) is outside an array of {total} elements")
+    boxes = _split(shape, start, stop)
+    out: list[tuple[int, Box]] = []
+    position = 0
+    for box in boxes:
+        out.append((position, box))
+        position += box.numel
+    return out
+
+
+def _split(shape: Shape, a: int, b: int) -> list[Box]:
+    if a >= b:
+        return []
+    if len(shape) == 0:
+        return [Box((), ())]
+    if len(shape) == 1:
+        return [Box((a,), (b - a,))]
+    row = math.prod(shape[1:])
+    rest = shape[1:]
+    r0, c0 = divmod(a, row)
+    r1, c1 = divmod(b, row)
+    if r0 == r1:
+        return [_prefix(r0, box) for box in _split(rest, c0, c1)]
+    out: list[Box] = []
+    if c0:
+        out.extend(_prefix(r0, box) for box in _split(rest, c0, row))
+        r0 += 1
+    if r1 > r0:
+        out.append(Box((r0,) + (0,) * len(rest), (r1 - r0, *rest)))
+    if c1:
+        out.extend(_prefix(r1, box) for box in _split(rest, 0, c1))
+    return out
+
+
+def _prefix(index: int, box: Box) -> Box:
+    return Box((index, *box.offset), (1, *box.shape))
+
+
+def find_overlap(boxes: Sequence[Box]) -> tuple[int, int] | None:
+    """Indices of two overlapping boxes, or None. A sweep along axis 0.
+
+    Layouts met in practice keep few boxes active at a time, so this is close to
+    ``O(n log n)``; the worst case is quadratic.
+    """
+    if not boxes:
+        return None
+    if boxes[0].ndim == 0:
+        return (0, 1) if len(boxes) > 1 else None
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i].offset[0])
+    active: list[int] = []
+    for i in order:
+        box = boxes[i]
+        if box.numel == 0:
+            continue
+        start = box.offset[0]
+        active = [j for j in active if boxes[j].end[0] > start]
+        for j in active:
+            if intersect(boxes[j], box) is not None:
+                return (min(i, j), max(i, j))
+        active.append(i)
+    return None
+
+
+def covered_volume(boxes: Iterable[Box]) -> int:
+    """Sum of the boxes' volumes (equal to the covered volume when they do not overlap)."""
+    return sum(b.numel for b in boxes)
+
+
+def first_uncovered(shape: Sequence[int], boxes: Sequence[Box], max_cells: int = 1 << 20) -> Shape | None:
+    """An index of ``shape`` that no box covers, or None if all are covered or the search is too big.
+
+    Compresses coordinates to the boxes' cut points, so the work depends on the number of
+    distinct cuts, not on the tensor's size.
+    """
+    shape = tuple(shape)
+    if math.prod(shape) == 0:
+        return None
+    if not shape:
+        return None if boxes else ()
+    cuts = [sorted({0, n, *(b.offset[ax] for b in boxes), *(b.end[ax] for b in boxes)}) for ax, n in enumerate(shape)]
+    cuts = [[c for c in axis if c <= n] for axis, n in zip(cuts, shape, strict=True)]
+    if math.prod(len(c) - 1 for c in cuts) > max_cells:
+        return None
+    import numpy as np
+
+    grid = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
+    position = [{c: i for i, c in enumerate(axis)} for axis in cuts]
+    for b in boxes:
+        sl = tuple(slice(position[ax][b.offset[ax]], position[ax][min(b.end[ax], shape[ax])]) for ax in range(len(shape)))
+        grid[sl] = True
+    missing = np.argwhere(~grid)
+    if len(missing) == 0:
+        return None
+    return tuple(int(cuts[ax][int(i)]) for ax, i in enumerate(missing[0]))

@@ -1,0 +1,343 @@
+"""``load``: read the manifest, fill every requested piece in place, merge the common state.
+
+Each rank reads only what it asked for: every requested box (or flat range) is intersected
+with the stored boxes, so any saved layout loads into any requested layout. At the end all
+ranks exchange one tiny status, so a failure on one rank raises on every rank.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .codec import decode
+from .dist import get_comm, outcome, raise_for
+from .dtypes import dtype_from_name
+from .engine import DEFAULT_MAX_BUFFER, DataReader, ReadTask, default_threads, plan_reads, run_tasks
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleRequestError,
+    IncompleteCheckpointError,
+    MissingKeyError,
+)
+from .format import MANIFEST_NAME, Manifest, TensorEntry
+from .geometry import Box
+from .location import TMP_MARK, Location, locate
+from .sharding import (
+    LocalNonPersistentObject,
+    Path,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    format_path,
+    split_state_dict,
+)
+from .storage.base import Storage
+
+log = logging.getLogger("shardsafe")
+
+
+class StrictHandling(enum.Enum):
+    """What to do with key mismatches, with Megatron-Core's names.
+
+    *Unexpected* keys are requested but absent from the checkpoint; *missing* keys are in the
+    checkpoint but requested by no rank. The default raises on unexpected keys and accepts
+    missing ones (loading only the model from a full checkpoint is normal).
+    """
+
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
+    LOG_UNEXPECTED = "log_unexpected"
+    LOG_ALL = "log_all"
+    RAISE_UNEXPECTED = "raise_unexpected"
+    RAISE_ALL = "raise_all"
+    RETURN_UNEXPECTED = "return_unexpected"
+    RETURN_ALL = "return_all"
+    IGNORE_ALL = "ignore_all"
+
+    @property
+    def needs_missing(self) -> bool:
+        return self in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
+
+    @property
+    def returns(self) -> bool:
+        return self in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
+
+    @property
+    def raises_unexpected(self) -> bool:
+        return self in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL)
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def checkpoint_storage(loc: Location) -> Storage:
+    from .storage import storage_for
+
+    return storage_for(loc.url)
+
+
+def read_manifest(path: str | os.PathLike[str]) -> tuple[Manifest, Storage]:
+    """The parsed manifest and the storage rooted at the checkpoint, or a clear error."""
+    loc = locate(path)
+    storage = checkpoint_storage(loc)
+    try:
+        raw = storage.read_bytes(MANIFEST_NAME)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise _not_found(loc, storage) from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"cannot read {storage.describe(MANIFEST_NAME)}: {e}") from None
+    return Manifest.loads(raw, storage.describe(MANIFEST_NAME)), storage
+
+
+def _not_found(loc: Location, storage: Storage) -> CheckpointNotFoundError:
+    siblings = [n for n in loc.parent.list_dir("") if n.startswith(f".{loc.name}{TMP_MARK}")]
+    if storage.exists("") and storage.is_dir(""):
+        if storage.exists("data"):
+            return IncompleteCheckpointError(
+                f"{loc.url} has data files but no {MANIFEST_NAME}: a save into it never committed. "
+                "Load an earlier checkpoint; delete this directory to reclaim space"
+            )
+        return CheckpointNotFoundError(f"{loc.url} is not a shardsafe checkpoint (no {MANIFEST_NAME})")
+    if siblings:
+        return IncompleteCheckpointError(
+            f"{loc.url} does not exist; {loc.parent.describe(siblings[0])} is an uncommitted save into it "
+            "(crashed or still running). Load an earlier checkpoint"
+        )
+    return CheckpointNotFoundError(f"no checkpoint at {loc.url}")
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class _Request:
+    path: Path
+    tensor: ShardedTensor
+
+
+def _targets(st: ShardedTensor, data: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
+    """(global box, view of ``data`` holding that box) pairs for a requested piece."""
+    if st.flattened_range is None:
+        view = data
+        for _ in range(st.prepend_axis_num):
+            view = view.unsqueeze(0)
+        return [(st.chunk_box, view)]
+    return [(box, data[pos : pos + box.numel].view(box.shape)) for pos, box in st.boxes()]
+
+
+def _check_compatible(st: ShardedTensor, entry: TensorEntry, where: str) -> None:
+    stored_dtype = dtype_from_name(entry.dtype, where)
+    if tuple(entry.shape) != st.global_shape and not st.allow_shape_mismatch:
+        raise IncompatibleRequestError(
+            f"{st.key!r}: the checkpoint holds global shape {list(entry.shape)}, the request asks for "
+            f"{list(st.global_shape)}; set allow_shape_mismatch=True on the ShardedTensor to load the overlap"
+        )
+    if stored_dtype != st.dtype and not st.allow_shape_mismatch:
+        raise IncompatibleRequestError(
+            f"{st.key!r}: the checkpoint holds {entry.dtype}, the request asks for {st.dtype}; "
+            "request the stored dtype and cast, or set allow_shape_mismatch=True to convert on load"
+        )
+    if len(entry.shape) != len(st.global_shape):
+        raise IncompatibleRequestError(
+            f"{st.key!r}: the checkpoint's tensor has {len(entry.shape)} axes, the request {len(st.global_shape)}"
+        )
+
+
+def _fill_tensor(st: ShardedTensor, entry: TensorEntry, max_elems: int, where: str) -> tuple[torch.Tensor, list[ReadTask], Callable[[], None]]:
+    """Destination tensor, the reads that fill it, and a finaliser to run after the reads."""
+    _check_compatible(st, entry, where)
+    shape = (st.numel,) if st.flattened_range is not None else st.local_shape
+    data = st.data
+    if data is None:
+        data = (torch.zeros if st.allow_shape_mismatch else torch.empty)(shape, dtype=st.dtype)
+    elif tuple(entry.shape) != st.global_shape:
+        data.zero_()
+    work = data
+    if st.flattened_range is not None and not data.is_contiguous():
+        work = torch.empty_like(data, memory_format=torch.contiguous_format)
+    tasks, covered = plan_reads(st.key, entry.pieces, _targets(st, work), dtype_from_name(entry.dtype), max_elems)
+    if tuple(entry.shape) == st.global_shape and covered != st.numel:
+        raise CorruptCheckpointError(
+            f"{st.key!r}: the checkpoint's pieces cover {covered} of the {st.numel} requested elements; "
+            "the manifest is inconsistent"
+        )
+
+    def finish() -> None:
+        if work is not data:
+            data.copy_(work)
+
+    return data, tasks, finish
+
+
+def load(
+    sharded_state_dict: Any,
+    path: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    strict: StrictHandling | str = StrictHandling.ASSUME_OK_UNEXPECTED,
+    threads: int | None = None,
+    max_buffer_bytes: int = DEFAULT_MAX_BUFFER,
+) -> Any:
+    """Load ``path`` into the layout described by ``sharded_state_dict`` (the template).
+
+    Tensors handed in are filled in place; the result has the template's structure with every
+    sharded entry replaced by its tensor/object, non-persistent values unwrapped, and the
+    checkpoint's common state merged in. With ``strict=RETURN_*`` returns
+    ``(state_dict, missing_keys, unexpected_keys)``. Every rank of ``process_group`` must call it.
+    """
+    strict = StrictHandling(strict)
+    comm = get_comm(process_group)
+    t0 = time.perf_counter()
+    result, err = outcome(lambda: _load_local(sharded_state_dict, path, strict, threads or default_threads(), max_buffer_bytes))
+    state = {"error": err, "requested": sorted(result[2]) if result and strict.needs_missing else None}
+    records = comm.all_gather(state)
+    raise_for([r["error"] for r in records], "load")
+    assert result is not None
+    loaded, unexpected, requested, stored_keys = result
+    missing: set[str] = set()
+    if strict.needs_missing:
+        everyone = set().union(*(set(r["requested"]) for r in records))
+        missing = stored_keys - everyone
+        if missing:
+            msg = f"{len(missing)} checkpoint keys were requested by no rank: {sorted(missing)[:10]}"
+            if strict == StrictHandling.RAISE_ALL:
+                raise MissingKeyError(f"{os.fspath(path)}: {msg}")
+            if strict == StrictHandling.LOG_ALL:
+                log.warning("%s: %s", os.fspath(path), msg)
+    if comm.is_coordinator:
+        log.info("loaded %s in %.3f s", os.fspath(path), time.perf_counter() - t0)
+    if strict.returns:
+        return loaded, missing, set(unexpected)
+    return loaded
+
+
+def _load_local(template: Any, path: str | os.PathLike[str], strict: StrictHandling, threads: int, max_buffer: int) -> tuple[Any, list[str], set[str], set[str]]:
+    manifest, storage = read_manifest(path)
+    where = storage.describe(MANIFEST_NAME)
+    factories: list[tuple[Path, ShardedTensorFactory]] = []
+    tree = _apply_factories_recording(template, (), factories)
+    split = split_state_dict(tree)
+    requested = {st.key for _, st in split.tensors} | {o.unique_key for _, o in split.objects}
+    unexpected = [st.key for _, st in split.tensors if st.key not in manifest.tensors]
+    unexpected += [o.unique_key for _, o in split.objects if o.unique_key not in manifest.objects]
+    if unexpected:
+        msg = (
+            f"{os.fspath(path)}: {len(unexpected)} requested keys are not in the checkpoint: {sorted(set(unexpected))[:10]}"
+            + _suggest(unexpected[0], manifest)
+        )
+        if strict.raises_unexpected:
+            raise MissingKeyError(msg)
+        if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+            log.warning("%s", msg)
+    skip = set(unexpected)
+    values: dict[int, Any] = {}
+    tasks: list[ReadTask] = []
+    finishers: list[Callable[[], None]] = []
+    with DataReader(storage, manifest.block_bytes, max_buffer) as reader:
+        for _, st in split.tensors:
+            if st.key in skip:
+                continue
+            data, t, fin = _fill_tensor(st, manifest.tensors[st.key], max(1, max_buffer // st.dtype.itemsize), where)
+            values[id(st)] = data
+            tasks.extend(t)
+            finishers.append(fin)
+        run_tasks(reader, tasks, threads)
+        for fin in finishers:
+            fin()
+
+        def fetch(blob_id: str) -> bytes:
+            extent = manifest.blobs.get(blob_id)
+            if extent is None:
+                raise CorruptCheckpointError(f"{where}: blob {blob_id!r} is referenced but not listed")
+            return reader.read_extent(extent, f"blob {blob_id!r}")
+
+        for _, o in split.objects:
+            if o.unique_key in skip:
+                continue
+            values[id(o)] = decode(manifest.objects[o.unique_key].value, fetch, f"{where}: object {o.unique_key!r}")
+        common = decode(manifest.common, fetch, f"{where}: common state")
+    result = _merge(tree, common, values, skip)
+    for fpath, factory in reversed(factories):
+        result = _replace_at(result, fpath, factory.merge_fn(_get_at(result, fpath)))
+    stored = set(manifest.tensors) | set(manifest.objects)
+    return result, unexpected, requested, stored
+
+
+def _suggest(key: str, manifest: Manifest) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, list(manifest.tensors) + list(manifest.objects), n=3)
+    hint = f" (closest stored keys to {key!r}: {close})" if close else ""
+    return hint + "; check the keys, or pass strict='log_unexpected' to load the rest"
+
+
+def _apply_factories_recording(node: Any, path: Path, out: list[tuple[Path, ShardedTensorFactory]]) -> Any:
+    if isinstance(node, ShardedTensorFactory):
+        out.append((path, node))
+        return _apply_factories_recording(node.build(), path, out)
+    if isinstance(node, dict):
+        return {k: _apply_factories_recording(v, (*path, k), out) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_apply_factories_recording(v, (*path, i), out) for i, v in enumerate(node)]
+    return node
+
+
+_ABSENT = object()
+
+
+def _merge(template: Any, common: Any, values: dict[int, Any], skip: set[str]) -> Any:
+    """The template's structure with loaded values, plain leaves from the checkpoint's common state."""
+    if isinstance(template, ShardedTensor):
+        return values.get(id(template), _ABSENT)
+    if isinstance(template, ShardedObject):
+        return values.get(id(template), _ABSENT)
+    if isinstance(template, LocalNonPersistentObject):
+        return template.unwrap()
+    if isinstance(template, dict):
+        out = dict(common) if isinstance(common, dict) else {}
+        for k, v in template.items():
+            merged = _merge(v, common.get(k, _ABSENT) if isinstance(common, dict) else _ABSENT, values, skip)
+            if merged is _ABSENT:
+                out.pop(k, None)
+            else:
+                out[k] = merged
+        return out
+    if isinstance(template, list):
+        base = common if isinstance(common, list) else []
+        out_list = [
+            _merge(v, base[i] if i < len(base) else _ABSENT, values, skip) for i, v in enumerate(template)
+        ]
+        return [v for v in out_list if v is not _ABSENT]
+    return template if common is _ABSENT else common
+
+
+def _get_at(tree: Any, path: Path) -> Any:
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _replace_at(tree: Any, path: Path, value: Any) -> Any:
+    if not path:
+        return value
+    _get_at(tree, path[:-1])[path[-1]] = value
+    return tree
+
+
+def load_content_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``content_metadata`` given to ``save``, without reading any tensor."""
+    manifest, _ = read_manifest(path)
+    value = manifest.user_metadata.get("content_metadata")
+    return dict(value) if isinstance(value, dict) else None
+
+
+_ = math

@@ -1,0 +1,385 @@
+"""What a sharded state dict is made of, with Megatron-Core's names and semantics.
+
+A *sharded state dict* is a nested dict/list whose leaves are:
+
+* :class:`ShardedTensor` — this rank's piece of a global tensor (a box, or a flat range
+  of a box), with a replica id telling replicas apart;
+* :class:`ShardedObject` — a per-rank Python object placed in an n-d grid (RNG states...);
+* :class:`ShardedTensorFactory` — a deferred transform applied the same way on save and load;
+* :class:`LocalNonPersistentObject` — returned on load, never saved;
+* anything else — *common* state, saved once by the coordinator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .errors import ValidationError
+from .geometry import Box, flat_range_to_boxes
+
+ReplicaId = int | tuple[int, ...]
+Path = tuple[str | int, ...]
+
+
+def is_main_replica(replica_id: ReplicaId) -> bool:
+    """Megatron's rule: the main replica has an all-zero replica id."""
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(r == 0 for r in replica_id)
+
+
+@dataclass
+class ShardedTensor:
+    """This rank's piece of the global tensor ``key``.
+
+    The piece is the box ``global_offset + (1,) * prepend_axis_num + local_shape`` of a tensor
+    of ``global_shape``; with ``flattened_range`` set, ``data`` is only that 1-D slice of the
+    box's row-major flattening (what a distributed optimizer holds).
+    """
+
+    key: str
+    data: torch.Tensor | None
+    dtype: torch.dtype
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    axis_fragmentations: tuple[int, ...] | None = None
+    replica_id: ReplicaId = 0
+    prepend_axis_num: int = 0
+    allow_shape_mismatch: bool = False
+    flattened_range: slice | None = None
+
+    def __post_init__(self) -> None:
+        self.local_shape = tuple(int(s) for s in self.local_shape)
+        self.global_shape = tuple(int(s) for s in self.global_shape)
+        self.global_offset = tuple(int(s) for s in self.global_offset)
+        if self.axis_fragmentations is not None:
+            self.axis_fragmentations = tuple(int(s) for s in self.axis_fragmentations)
+        self.validate_metadata_integrity()
+
+    # -- constructors -----------------------------------------------------------------------
+    @classmethod
+    def from_rank_offsets(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        *rank_offsets: tuple[int, int, int],
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        allow_shape_mismatch: bool = False,
+        flattened_range: slice | None = None,
+    ) -> ShardedTensor:
+        """Even splits: each ``(axis, rank_on_axis, fragments_on_axis)`` places ``data`` on that axis.
+
+        Axes below ``prepend_axis_num`` are prepended singleton axes (stacking layers/experts).
+        """
+        if flattened_range is not None:
+            raise ValueError(
+                f"{key}: from_rank_offsets takes no flattened_range; use from_rank_offsets_flat"
+            )
+        offset, shape, fragments = _place(key, tuple(data.shape), rank_offsets, prepend_axis_num)
+        return cls(
+            key, data, data.dtype, tuple(data.shape), shape, offset, fragments,
+            replica_id, prepend_axis_num, allow_shape_mismatch,
+        )
+
+    @classmethod
+    def from_rank_offsets_flat(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        non_flat_local_shape: tuple[int, ...] | torch.Size,
+        *rank_offsets: tuple[int, int, int],
+        flattened_range: slice,
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        allow_shape_mismatch: bool = False,
+    ) -> ShardedTensor:
+        """``data`` is the slice ``flattened_range`` of the flattened local chunk of ``non_flat_local_shape``."""
+        local = tuple(int(s) for s in non_flat_local_shape)
+        offset, shape, fragments = _place(key, local, rank_offsets, prepend_axis_num)
+        return cls(
+            key, data, data.dtype, local, shape, offset, fragments,
+            replica_id, prepend_axis_num, allow_shape_mismatch, flattened_range,
+        )
+
+    @classmethod
+    def from_global_offset(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        global_shape: tuple[int, ...] | torch.Size,
+        global_offset: tuple[int, ...],
+        *,
+        replica_id: ReplicaId = 0,
+        flattened_range: slice | None = None,
+        local_shape: tuple[int, ...] | None = None,
+        allow_shape_mismatch: bool = False,
+    ) -> ShardedTensor:
+        """Any box of the global tensor, uneven splits included."""
+        if local_shape is None:
+            if flattened_range is not None:
+                raise ValueError(f"{key}: a flattened_range needs the non-flat local_shape")
+            local_shape = tuple(data.shape)
+        return cls(
+            key, data, data.dtype, tuple(local_shape), tuple(global_shape), tuple(global_offset),
+            None, replica_id, 0, allow_shape_mismatch, flattened_range,
+        )
+
+    # -- geometry ---------------------------------------------------------------------------
+    @property
+    def chunk_box(self) -> Box:
+        """The (non-flat) box this piece lives in, in global coordinates."""
+        return Box(self.global_offset, (1,) * self.prepend_axis_num + self.local_shape)
+
+    @property
+    def flat_bounds(self) -> tuple[int, int] | None:
+        if self.flattened_range is None:
+            return None
+        return (self.flattened_range.start or 0, self.flattened_range.stop)
+
+    def boxes(self) -> list[tuple[int, Box]]:
+        """``(position in data, global box)`` pairs covering exactly this piece's elements."""
+        chunk = self.chunk_box
+        if self.flattened_range is None:
+            return [(0, chunk)]
+        start, stop = self.flat_bounds or (0, 0)
+        return [(pos, box.shifted(chunk.offset)) for pos, box in flat_range_to_boxes(chunk.shape, start, stop)]
+
+    @property
+    def numel(self) -> int:
+        bounds = self.flat_bounds
+        return bounds[1] - bounds[0] if bounds else math.prod(self.local_shape)
+
+    def without_data(self) -> ShardedTensor:
+        return replace(self, data=None)
+
+    def validate_metadata_integrity(self) -> None:
+        """Raise :class:`ValidationError` naming the key when the description is inconsistent."""
+        k = self.key
+        if not isinstance(k, str) or not k:
+            raise ValidationError(f"ShardedTensor key must be a non-empty string, got {k!r}")
+        if len(self.global_shape) != len(self.local_shape) + self.prepend_axis_num:
+            raise ValidationError(
+                f"{k}: global_shape {self.global_shape} must have len(local_shape) + prepend_axis_num = "
+                f"{len(self.local_shape) + self.prepend_axis_num} axes"
+            )
+        if len(self.global_offset) != len(self.global_shape):
+            raise ValidationError(f"{k}: global_offset {self.global_offset} and global_shape {self.global_shape} differ in rank")
+        if not self.chunk_box.within(self.global_shape):
+            raise ValidationError(
+                f"{k}: the piece at offset {self.global_offset} of shape {self.chunk_box.shape} "
+                f"lies outside the global shape {self.global_shape}"
+            )
+        if self.flattened_range is not None:
+            fr = self.flattened_range
+            if fr.step not in (None, 1) or fr.stop is None or not 0 <= (fr.start or 0) <= fr.stop <= math.prod(self.local_shape):
+                raise ValidationError(
+                    f"{k}: flattened_range {fr} must be a step-1 slice inside the {math.prod(self.local_shape)} "
+                    f"elements of local shape {self.local_shape}"
+                )
+        if self.data is None:
+            return
+        if not isinstance(self.data, torch.Tensor):
+            raise ValidationError(f"{k}: data must be a torch.Tensor or None, got {type(self.data).__name__}")
+        if self.data.dtype != self.dtype:
+            raise ValidationError(f"{k}: data dtype {self.data.dtype} differs from the declared dtype {self.dtype}")
+        if self.flattened_range is not None:
+            if self.data.ndim != 1 or self.data.numel() != self.numel:
+                raise ValidationError(
+                    f"{k}: flattened data must be 1-D with {self.numel} elements (flattened_range "
+                    f"{self.flattened_range}), got shape {tuple(self.data.shape)}"
+                )
+        elif tuple(self.data.shape) != self.local_shape:
+            raise ValidationError(f"{k}: data shape {tuple(self.data.shape)} differs from local_shape {self.local_shape}")
+
+
+def _place(
+    key: str, local: tuple[int, ...], rank_offsets: tuple[tuple[int, int, int], ...], prepend: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    ndim = len(local) + prepend
+    offset = [0] * ndim
+    shape = [1] * prepend + list(local)
+    fragments = [1] * ndim
+    seen: set[int] = set()
+    for item in rank_offsets:
+        if len(item) != 3:
+            raise ValidationError(f"{key}: a rank offset is (axis, rank_on_axis, fragments_on_axis), got {item!r}")
+        axis, rank, fragm = (int(x) for x in item)
+        if not 0 <= axis < ndim or axis in seen:
+            raise ValidationError(f"{key}: rank offset axis {axis} is out of range or repeated (tensor has {ndim} axes)")
+        if not 0 <= rank < fragm:
+            raise ValidationError(f"{key}: rank {rank} on axis {axis} must lie in [0, {fragm})")
+        seen.add(axis)
+        length = shape[axis]
+        offset[axis] = rank * length
+        shape[axis] = fragm * length
+        fragments[axis] = fragm
+    return tuple(offset), tuple(shape), tuple(fragments)
+
+
+@dataclass
+class ShardedObject:
+    """A per-rank Python object, one cell of an n-d grid of objects. Cannot be resharded."""
+
+    key: str
+    data: Any
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    replica_id: ReplicaId = 0
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(s) for s in self.global_shape)
+        self.global_offset = tuple(int(s) for s in self.global_offset)
+        if not isinstance(self.key, str) or not self.key:
+            raise ValidationError(f"ShardedObject key must be a non-empty string, got {self.key!r}")
+        if len(self.global_shape) != len(self.global_offset) or any(
+            not 0 <= o < s for o, s in zip(self.global_offset, self.global_shape, strict=True)
+        ):
+            raise ValidationError(
+                f"{self.key}: global_offset {self.global_offset} must index a cell of global_shape {self.global_shape}"
+            )
+
+    @property
+    def unique_key(self) -> str:
+        off = ".".join(str(o) for o in self.global_offset)
+        shape = ".".join(str(s) for s in self.global_shape)
+        return f"{self.key}/shard_{off}_{shape}"
+
+    def without_data(self) -> ShardedObject:
+        return replace(self, data=None)
+
+
+@dataclass
+class ShardedTensorFactory:
+    """A deferred transform: ``build_fn(key, data, replica_id, flattened_range)`` gives the sub
+    state dict to save or load; ``merge_fn(loaded_subtree)`` turns the loaded subtree back into
+    the value placed where the factory was."""
+
+    key: str
+    data: Any
+    build_fn: Callable[..., Any]
+    merge_fn: Callable[[Any], Any]
+    replica_id: ReplicaId = 0
+    flattened_range: slice | None = None
+
+    def build(self) -> Any:
+        return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
+
+
+@dataclass
+class LocalNonPersistentObject:
+    """A value that is never saved; ``load`` puts ``obj`` back in its place."""
+
+    obj: Any
+
+    def unwrap(self) -> Any:
+        return self.obj
+
+
+ShardedEntity = ShardedTensor | ShardedObject
+
+
+@dataclass
+class SplitStateDict:
+    """A state dict taken apart: sharded leaves by path, the rest as the common tree."""
+
+    tensors: list[tuple[Path, ShardedTensor]] = field(default_factory=list)
+    objects: list[tuple[Path, ShardedObject]] = field(default_factory=list)
+    common: Any = None
+
+
+class _Placeholder:
+    """Stands in the common tree where a sharded or non-persistent leaf was (in lists)."""
+
+    def __repr__(self) -> str:
+        return "<sharded>"
+
+
+PLACEHOLDER = _Placeholder()
+
+
+def apply_factories(tree: Any) -> Any:
+    """Replace every :class:`ShardedTensorFactory` by what its ``build_fn`` returns (recursively)."""
+    if isinstance(tree, ShardedTensorFactory):
+        return apply_factories(tree.build())
+    if isinstance(tree, dict):
+        return {k: apply_factories(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [apply_factories(v) for v in tree]
+    return tree
+
+
+def iter_leaves(tree: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """Depth-first ``(path, leaf)`` over dicts and lists; everything else is a leaf."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from iter_leaves(v, (*path, k))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from iter_leaves(v, (*path, i))
+    else:
+        yield path, tree
+
+
+def split_state_dict(tree: Any) -> SplitStateDict:
+    """Separate sharded entities from common state; drop non-persistent values.
+
+    The common tree keeps the dict/list structure: sharded entries are removed from dicts and
+    replaced by :data:`PLACEHOLDER` in lists, so positions survive a round trip.
+    """
+    out = SplitStateDict()
+
+    def walk(node: Any, path: Path) -> Any:
+        if isinstance(node, ShardedTensorFactory):
+            raise ValidationError(f"{_fmt(path)}: apply_factories must run before split_state_dict")
+        if isinstance(node, ShardedTensor):
+            out.tensors.append((path, node))
+            return PLACEHOLDER
+        if isinstance(node, ShardedObject):
+            out.objects.append((path, node))
+            return PLACEHOLDER
+        if isinstance(node, LocalNonPersistentObject):
+            return PLACEHOLDER
+        if isinstance(node, dict):
+            kept = {}
+            for k, v in node.items():
+                value = walk(v, (*path, k))
+                if value is not PLACEHOLDER:
+                    kept[k] = value
+            return kept
+        if isinstance(node, list):
+            return [walk(v, (*path, i)) for i, v in enumerate(node)]
+        return node
+
+    out.common = walk(tree, ())
+    return out
+
+
+def set_at(tree: Any, path: Path, value: Any) -> Any:
+    """Put ``value`` at ``path`` inside ``tree`` (creating dicts, extending lists); returns the tree."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(head, int) and (tree is None or isinstance(tree, list)):
+        tree = list(tree or [])
+        while len(tree) <= head:
+            tree.append(None)
+        tree[head] = set_at(tree[head] if not isinstance(tree[head], _Placeholder) else None, rest, value)
+        return tree
+    if not isinstance(tree, dict):
+        tree = {}
+    tree[head] = set_at(tree.get(head), rest, value)
+    return tree
+
+
+def _fmt(path: Path) -> str:
+    return "state_dict" + "".join(f"[{p!r}]" for p in path)
+
+
+format_path = _fmt

@@ -1,0 +1,102 @@
+"""The byte-store interface: paths and bytes, never tensors.
+
+A storage is rooted at a location (a local directory, an ``s3://bucket/prefix``); every
+path handed to it is relative to that root, uses ``/`` and never leaves the root.
+Backends declare what they can do (``atomic_rename``) so the commit protocol can pick
+rename-into-place or marker-written-last.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import BinaryIO, Protocol
+
+
+class ByteWriter(Protocol):
+    def write(self, data: memoryview | bytes, /) -> int: ...
+
+
+class RandomReader(Protocol):
+    def read_into(self, offset: int, out: memoryview, /) -> None: ...
+    def close(self) -> None: ...
+
+
+class _DelegatingReader:
+    def __init__(self, storage: Storage, rel: str) -> None:
+        self.storage, self.rel = storage, rel
+
+    def read_into(self, offset: int, out: memoryview, /) -> None:
+        self.storage.read_into(self.rel, offset, out)
+
+    def close(self) -> None:
+        pass
+
+
+class Storage(ABC):
+    """A root plus the few operations a checkpoint needs."""
+
+    #: True when ``rename`` of a directory is atomic (POSIX); object stores commit by a marker.
+    atomic_rename: bool = False
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def describe(self, rel: str = "") -> str:
+        """A human-readable location for messages."""
+        return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
+
+    @abstractmethod
+    def exists(self, rel: str) -> bool: ...
+
+    @abstractmethod
+    def is_dir(self, rel: str) -> bool: ...
+
+    @abstractmethod
+    def list_dir(self, rel: str) -> list[str]:
+        """Names (not paths) directly under ``rel``; empty when it does not exist."""
+
+    @abstractmethod
+    def size(self, rel: str) -> int: ...
+
+    @abstractmethod
+    def read_bytes(self, rel: str) -> bytes: ...
+
+    @abstractmethod
+    def read_into(self, rel: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``[offset, offset + len(out))``; a short read raises EOFError."""
+
+    def open_read(self, rel: str) -> RandomReader:
+        """A handle for many ranged reads of one file (backends may keep it open)."""
+        return _DelegatingReader(self, rel)
+
+    @abstractmethod
+    @contextmanager
+    def open_write(self, rel: str) -> Iterator[BinaryIO]:
+        """A new file written sequentially; durable (fsync'd or uploaded) when the block exits cleanly."""
+        yield  # type: ignore[misc]
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        with self.open_write(rel) as f:
+            f.write(data)
+
+    @abstractmethod
+    def make_dir(self, rel: str) -> None: ...
+
+    @abstractmethod
+    def remove_tree(self, rel: str) -> None:
+        """Remove a file or directory tree; missing is fine."""
+
+    def rename(self, src: str, dst: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot rename")
+
+    def sync_dir(self, rel: str) -> None:
+        """Make a directory's entries durable (no-op where meaningless)."""
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Create ``rel`` only if absent; True if this call created it."""
+        if self.exists(rel):
+            return False
+        self.write_bytes(rel, data)
+        return True
