@@ -64,7 +64,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{args.path}: shardsafe v{m.version}, saved by {m.world_size} ranks at {m.created}, {m.total_bytes} bytes in {len(m.files)} files")
     width = max((len(r["key"]) for r in rows), default=10)
     for r in rows:
-        print(f"  {r['key']:<{width}}  {r['dtype']:<10} {str(tuple(r['shape'])):<20} {r['pieces']:>4} pieces {r['bytes']:>12} B")
+        print(f"  {r['key']:<{width}}  {r['dtype']:<10} {tuple(r['shape'])!s:<20} {r['pieces']:>4} pieces {r['bytes']:>12} B")
     for ukey in m.objects:
         print(f"  {ukey}  (object)")
     return 0

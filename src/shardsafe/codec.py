@@ -15,6 +15,7 @@ import argparse
 import io
 import math
 import pickle
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from .dtypes import dtype_from_name, dtype_name
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, UnsafeObjectError
 from .sharding import PLACEHOLDER
 
 
@@ -35,19 +36,16 @@ class EncodedTree:
     blobs: dict[str, bytes | memoryview] = field(default_factory=dict)
 
 
-class UnsafeObjectError(CorruptCheckpointError):
-    """``torch.load(weights_only=True)`` refused an object stored in the checkpoint."""
-
-
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian C-order bytes of a (CPU) tensor, without copying when contiguous."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous().reshape(-1)
+    t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy())
+    flat = t.as_strided((t.numel(),), (1,))  # dense, whatever strides size-1 axes claim
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def encode(tree: Any, blob_prefix: str) -> EncodedTree:
@@ -190,16 +188,31 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
             try:
                 return torch.load(io.BytesIO(bytes(raw)), weights_only=True, map_location="cpu")
             except pickle.UnpicklingError as e:
-                raise UnsafeObjectError(
-                    f"{where}: refused to load a stored {body.get('type')!r}: {str(e).splitlines()[0]} "
-                    "If you trust this checkpoint, allow the class with "
-                    "torch.serialization.add_safe_globals([...]) and load again."
-                ) from None
+                raise UnsafeObjectError(f"{where}: refused to load a stored {body.get('type')!r}: {_refusal(e)}") from None
             except Exception as e:
                 raise bad(f"cannot read a stored {body.get('type')!r}: {e}") from None
         raise bad(f"unknown tag {tag!r}")
 
     return dec(node)
+
+
+def _refusal(e: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused, and how to allow it, in one line."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if found:
+        name = found.group(1)
+        return (
+            f"it needs {name}, which is not allow-listed. If you trust this checkpoint, allow it with "
+            f"torch.serialization.add_safe_globals([{name}]) (or the torch.serialization.safe_globals "
+            "context manager) and load again"
+        )
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    detail = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else type(e).__name__)
+    return (
+        f"{detail} If you trust this checkpoint, allow what it needs with "
+        "torch.serialization.add_safe_globals([...]) and load again"
+    )
 
 
 def _field(body: Any, name: str, kind: type, where: str) -> Any:

@@ -9,6 +9,7 @@ waiting in a collective that a failed peer will never reach.
 from __future__ import annotations
 
 import json
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,9 +104,23 @@ def outcome(fn: Callable[[], T]) -> tuple[T | None, dict[str, Any] | None]:
         return None, error_record(e)
 
 
+_LOCAL = threading.local()
+
+
 def error_record(e: BaseException) -> dict[str, Any]:
+    """A JSON-able description of ``e``; the exception itself is kept for chaining on this rank."""
+    _LOCAL.last = e
     cls = type(e).__name__ if isinstance(e, CheckpointError) else "CheckpointError"
-    return {"type": cls, "message": str(e) or type(e).__name__, "origin": type(e).__name__, "trace": traceback.format_exc(limit=6)}
+    message = str(e) or type(e).__name__
+    if not isinstance(e, CheckpointError):
+        message = f"{type(e).__name__}: {message}"
+    return {"type": cls, "message": message, "origin": type(e).__name__, "trace": traceback.format_exc(limit=6)}
+
+
+def _local_cause() -> BaseException | None:
+    cause = getattr(_LOCAL, "last", None)
+    _LOCAL.last = None
+    return cause
 
 
 def raise_for(records: list[dict[str, Any] | None], stage: str) -> None:
@@ -125,9 +140,11 @@ def raise_for(records: list[dict[str, Any] | None], stage: str) -> None:
         if isinstance(cls, type) and issubclass(cls, CheckpointError) and cls is not DistributedError:
             if len(records) > 1 and len(failed) < len(records):
                 message = f"{message} (on {describe_ranks(list(failed))} during {stage})"
-            raise _make(cls, message)
+            raise _make(cls, message) from _local_cause()
     lines = "; ".join(f"rank {r}: {rec['origin']}: {rec['message']}" for r, rec in sorted(failed.items())[:8])
-    raise DistributedError(f"{stage} failed on {describe_ranks(list(failed))}: {lines}", {r: rec["message"] for r, rec in failed.items()})
+    raise DistributedError(
+        f"{stage} failed on {describe_ranks(list(failed))}: {lines}", {r: rec["message"] for r, rec in failed.items()}
+    ) from _local_cause()
 
 
 def _make(cls: type[CheckpointError], message: str) -> CheckpointError:

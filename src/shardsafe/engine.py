@@ -31,6 +31,7 @@ LARGE_ALIGN = 4096
 LARGE_ITEM = 64 << 10
 DEFAULT_MAX_BUFFER = 64 << 20
 _ZEROS = bytes(LARGE_ALIGN)
+_RESTORE = "restore this checkpoint from a copy or load an earlier one"
 
 
 def _align(nbytes: int) -> int:
@@ -124,7 +125,7 @@ class DataReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _reader(self, rel: str) -> RandomReader:
+    def _reader(self, rel: str, what: str) -> RandomReader:
         with self._lock:
             r = self._readers.get(rel)
             if r is None:
@@ -132,10 +133,11 @@ class DataReader:
                     r = self._readers[rel] = self.storage.open_read(rel)
                 except FileNotFoundError:
                     raise CorruptCheckpointError(
-                        f"{self.storage.describe(rel)} is missing; the checkpoint is incomplete or was partly deleted"
+                        f"{what}: {self.storage.describe(rel)} is missing; the checkpoint is incomplete or was "
+                        f"partly deleted — {_RESTORE}"
                     ) from None
                 except OSError as e:
-                    raise CorruptCheckpointError(f"cannot open {self.storage.describe(rel)}: {e}") from None
+                    raise CorruptCheckpointError(f"{what}: cannot open {self.storage.describe(rel)}: {e}") from None
             return r
 
     def _scratch(self, nbytes: int) -> np.ndarray:
@@ -148,9 +150,9 @@ class DataReader:
     def _read(self, extent: Extent, start: int, out: memoryview, what: str) -> None:
         """Read bytes ``[start, start + len(out))`` of ``extent`` into ``out``."""
         try:
-            self._reader(extent.file).read_into(extent.byte_offset + start, out)
+            self._reader(extent.file, what).read_into(extent.byte_offset + start, out)
         except EOFError as e:
-            raise CorruptCheckpointError(f"{what}: {e}; the data file is truncated") from None
+            raise CorruptCheckpointError(f"{what}: {e}; the data file is truncated — {_RESTORE}") from None
         except CheckpointError:
             raise
         except OSError as e:
@@ -169,8 +171,7 @@ class DataReader:
             if digest(data[lo:hi]) != extent.checksums[k]:
                 raise CorruptCheckpointError(
                     f"{what}: checksum mismatch in {extent.file} block {k} (bytes {extent.byte_offset + k * bb}"
-                    f"..{extent.byte_offset + min((k + 1) * bb, extent.nbytes)}); the file is corrupt — "
-                    "restore this checkpoint from a copy or load an earlier one"
+                    f"..{extent.byte_offset + min((k + 1) * bb, extent.nbytes)}); the file is corrupt — {_RESTORE}"
                 )
 
     def read_extent(self, extent: Extent, what: str) -> bytes:
@@ -203,7 +204,8 @@ class DataReader:
             and is_contiguous_in(shape, region)
             and target.numel() == region.numel
         ):
-            out = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+            flat = target.as_strided((target.numel(),), (1,))  # dense, whatever size-1 axes claim
+            out = memoryview(flat.view(torch.uint8).numpy())
             self._read(extent, a, out, what)
             self._verify(extent, a, out, what)
             return

@@ -37,6 +37,10 @@ class CorruptCheckpointError(CheckpointError, ValueError):
     """Files are unreadable, truncated, fail a checksum or hold something refused by the safe loader."""
 
 
+class UnsafeObjectError(CorruptCheckpointError):
+    """A stored object needs a class or function that the safe loader does not allow."""
+
+
 class ValidationError(CheckpointError, ValueError):
     """The sharding described by the ranks is inconsistent: overlaps, gaps, shape/dtype disagreement."""
 

@@ -38,7 +38,6 @@ from .sharding import (
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
-    format_path,
     split_state_dict,
 )
 from .storage.base import Storage
@@ -202,7 +201,7 @@ def load(
     records = comm.all_gather(state)
     raise_for([r["error"] for r in records], "load")
     assert result is not None
-    loaded, unexpected, requested, stored_keys = result
+    loaded, unexpected, _, stored_keys = result
     missing: set[str] = set()
     if strict.needs_missing:
         everyone = set().union(*(set(r["requested"]) for r in records))
@@ -210,7 +209,10 @@ def load(
         if missing:
             msg = f"{len(missing)} checkpoint keys were requested by no rank: {sorted(missing)[:10]}"
             if strict == StrictHandling.RAISE_ALL:
-                raise MissingKeyError(f"{os.fspath(path)}: {msg}")
+                raise MissingKeyError(
+                    f"{os.fspath(path)}: {msg}; request them too, or pass strict='raise_unexpected' "
+                    "to accept checkpoint keys that no rank asks for"
+                )
             if strict == StrictHandling.LOG_ALL:
                 log.warning("%s: %s", os.fspath(path), msg)
     if comm.is_coordinator:

@@ -91,7 +91,7 @@ class Storage(ABC):
     def rename(self, src: str, dst: str) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot rename")
 
-    def sync_dir(self, rel: str) -> None:
+    def sync_dir(self, rel: str) -> None:  # noqa: B027 - a no-op is the right default
         """Make a directory's entries durable (no-op where meaningless)."""
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -54,10 +55,15 @@ class LocalStorage(Storage):
     def open_write(self, rel: str) -> Iterator[BinaryIO]:
         path = self.path(rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "xb", buffering=0) as f:
-            yield f  # type: ignore[misc]
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(path, "xb", buffering=0) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(path)  # never leave a partial file that looks written
+            raise
 
     def make_dir(self, rel: str) -> None:
         os.makedirs(self.path(rel), exist_ok=True)
@@ -67,10 +73,8 @@ class LocalStorage(Storage):
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-            except FileNotFoundError:
-                pass
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(self.path(src), self.path(dst))
