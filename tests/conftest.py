@@ -12,4 +12,5 @@ def ckpt_dir(tmp_path):
     """A fresh directory under which tests create checkpoints."""
     return tmp_path
 
+
 from s3server import s3_bucket_url, s3_server, s3_url  # noqa: E402, F401

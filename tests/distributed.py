@@ -24,13 +24,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any, pg_timeout: float) -> None:
+def _entry(
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    out: Any,
+    pg_timeout: float,
+) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world, *args)
@@ -53,7 +64,9 @@ class RankFailure(AssertionError):
         super().__init__("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0
+) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return results by rank.
 
     Raises :class:`RankFailure` if any rank raised, and ``TimeoutError`` (after killing every
@@ -62,7 +75,10 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out, pg_timeout), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, out, pg_timeout), daemon=True)
+        for r in range(world)
+    ]
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     import time
@@ -74,11 +90,17 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
         while len(results) + len(errors) < world:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{world} ranks did not finish within {timeout} s (done: {sorted(results)}, failed: {sorted(errors)})")
+                raise TimeoutError(
+                    f"{world} ranks did not finish within {timeout} s (done: {sorted(results)}, failed: {sorted(errors)})"
+                )
             try:
                 rank, status, value = out.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results and r not in errors
+                ]
                 for r in dead:
                     errors[r] = f"process exited with code {procs[r].exitcode}"
                 continue

@@ -16,15 +16,32 @@ def sample(dtype: torch.dtype) -> torch.Tensor:
         return torch.randn(6, 10, generator=g, dtype=dtype)
     if dtype.itemsize == 1:
         return raw.view(dtype)  # every bit pattern, NaNs of float8 included
-    return torch.randint(0, 256, (6, 10 * dtype.itemsize), generator=g, dtype=torch.uint8).view(dtype)
+    return torch.randint(0, 256, (6, 10 * dtype.itemsize), generator=g, dtype=torch.uint8).view(
+        dtype
+    )
 
 
 @pytest.mark.parametrize("dtype", supported_dtypes(), ids=lambda d: str(d).removeprefix("torch."))
 def test_dtype_round_trip_resharded(tmp_path, dtype):
     full = sample(dtype)
-    shardsafe.save({f"p{r}": shardsafe.ShardedTensor.from_rank_offsets("x", full[r * 3 : r * 3 + 3].clone(), (0, r, 2)) for r in range(2)}, tmp_path / "c")
+    shardsafe.save(
+        {
+            f"p{r}": shardsafe.ShardedTensor.from_rank_offsets(
+                "x", full[r * 3 : r * 3 + 3].clone(), (0, r, 2)
+            )
+            for r in range(2)
+        },
+        tmp_path / "c",
+    )
     dest = torch.zeros(37, dtype=dtype)
-    out = shardsafe.load({"x": shardsafe.ShardedTensor.from_rank_offsets_flat("x", dest, (6, 10), flattened_range=slice(11, 48))}, tmp_path / "c")
+    out = shardsafe.load(
+        {
+            "x": shardsafe.ShardedTensor.from_rank_offsets_flat(
+                "x", dest, (6, 10), flattened_range=slice(11, 48)
+            )
+        },
+        tmp_path / "c",
+    )
     assert torch.equal(out["x"].view(torch.uint8), full.reshape(-1)[11:48].view(torch.uint8))
     got = shardsafe.CheckpointReader(tmp_path / "c").read_tensor("x")
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), full.view(torch.uint8))

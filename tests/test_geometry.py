@@ -116,6 +116,10 @@ def test_overlap_search_scales_to_many_row_blocks():
     shape = (5000, 4096)
     n = math.prod(shape)
     cuts = np.linspace(0, n, 10_001).astype(int)
-    boxes = [b for a, z in zip(cuts[:-1], cuts[1:]) for _, b in flat_range_to_boxes(shape, int(a), int(z))]
+    boxes = [
+        b
+        for a, z in zip(cuts[:-1], cuts[1:])
+        for _, b in flat_range_to_boxes(shape, int(a), int(z))
+    ]
     assert find_overlap(boxes) is None
     assert sum(b.numel for b in boxes) == n

@@ -5,9 +5,9 @@ import random
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from partitions import expected, random_partition
 
 import shardsafe
-from partitions import expected, random_partition
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.bool]
 
@@ -22,11 +22,15 @@ def make_full(shape, dtype, seed):
 
 
 @given(
-    shapes=st.lists(st.lists(st.integers(1, 7), min_size=0, max_size=3).map(tuple), min_size=1, max_size=3),
+    shapes=st.lists(
+        st.lists(st.integers(1, 7), min_size=0, max_size=3).map(tuple), min_size=1, max_size=3
+    ),
     seed=st.integers(0, 2**31),
     dtype=st.sampled_from(DTYPES),
 )
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 def test_random_partitions_round_trip(tmp_path_factory, shapes, seed, dtype):
     rng = random.Random(seed)
     path = tmp_path_factory.mktemp("ck") / "c"
@@ -53,17 +57,29 @@ def test_random_partitions_round_trip(tmp_path_factory, shapes, seed, dtype):
 
 def test_small_buffer_forces_strided_chunked_reads(tmp_path):
     full = torch.randn(64, 48)
-    save_sd = {f"p{r}": shardsafe.ShardedTensor.from_rank_offsets("w", full[:, r * 12 : (r + 1) * 12].clone(), (1, r, 4)) for r in range(4)}
-    shardsafe.save(save_sd, tmp_path / "c", block_bytes=256)
+    save_sd = {
+        f"p{r}": shardsafe.ShardedTensor.from_rank_offsets(
+            "w", full[:, r * 12 : (r + 1) * 12].clone(), (1, r, 4)
+        )
+        for r in range(4)
+    }
+    shardsafe.Saver(block_bytes=256).save(save_sd, tmp_path / "c")
     dest = torch.zeros(32, 48)
-    shardsafe.load({"w": shardsafe.ShardedTensor.from_rank_offsets("w", dest, (0, 1, 2))}, tmp_path / "c", max_buffer_bytes=100)
+    shardsafe.load(
+        {"w": shardsafe.ShardedTensor.from_rank_offsets("w", dest, (0, 1, 2))},
+        tmp_path / "c",
+        max_buffer_bytes=100,
+    )
     assert torch.equal(dest, full[32:])
 
 
 def test_factories_nonpersistent_and_common_state(tmp_path):
     def build(key, data, replica_id, flattened_range):
         a, b = data.chunk(2)
-        return {"a": shardsafe.ShardedTensor.from_rank_offsets(f"{key}.a", a), "b": shardsafe.ShardedTensor.from_rank_offsets(f"{key}.b", b)}
+        return {
+            "a": shardsafe.ShardedTensor.from_rank_offsets(f"{key}.a", a),
+            "b": shardsafe.ShardedTensor.from_rank_offsets(f"{key}.b", b),
+        }
 
     def merge(sub):
         return torch.cat([sub["a"], sub["b"]])
@@ -83,19 +99,30 @@ def test_factories_nonpersistent_and_common_state(tmp_path):
     out = shardsafe.load(template, tmp_path / "c")
     assert torch.equal(out["fused"], fused)
     assert out["local"] == "fresh"
-    assert out["common"]["step"] == 4 and out["common"][1] == (2.5, None) and out["common"]["list"] == [1, "x", b"raw"]
+    assert (
+        out["common"]["step"] == 4
+        and out["common"][1] == (2.5, None)
+        and out["common"]["list"] == [1, "x", b"raw"]
+    )
     assert out["common"]["nan"] != out["common"]["nan"]
 
 
 def test_prepended_axes_stack_layers_and_regroup(tmp_path):
     layers = torch.randn(4, 6, 8)
     # saved by "2 pipeline stages": each holds 2 layers, one ShardedTensor per layer
-    sd = {f"l{i}": shardsafe.ShardedTensor.from_rank_offsets("layers.w", layers[i].clone(), (0, i, 4), prepend_axis_num=1) for i in range(4)}
+    sd = {
+        f"l{i}": shardsafe.ShardedTensor.from_rank_offsets(
+            "layers.w", layers[i].clone(), (0, i, 4), prepend_axis_num=1
+        )
+        for i in range(4)
+    }
     shardsafe.save(sd, tmp_path / "c")
     assert shardsafe.load_metadata(tmp_path / "c")["layers.w"].global_shape == (4, 6, 8)
     # loaded as 4 stages x TP2 on the last axis
     template = {
-        f"l{i}.{t}": shardsafe.ShardedTensor.from_rank_offsets("layers.w", torch.zeros(6, 4), (0, i, 4), (2, t, 2), prepend_axis_num=1)
+        f"l{i}.{t}": shardsafe.ShardedTensor.from_rank_offsets(
+            "layers.w", torch.zeros(6, 4), (0, i, 4), (2, t, 2), prepend_axis_num=1
+        )
         for i in range(4)
         for t in range(2)
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import (  # noqa: E402
+from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -15,21 +15,22 @@ from .errors import (  # noqa: E402
     MissingKeyError,
     ValidationError,
 )
-from .sharding import (  # noqa: E402
-    LocalNonPersistentObject,
-    ShardedObject,
-    ShardedTensor,
-    ShardedTensorFactory,
-)
-from .loading import StrictHandling, load, load_content_metadata  # noqa: E402
-from .reader import (  # noqa: E402
+from .loading import StrictHandling, load, load_content_metadata
+from .reader import (
     CheckpointReader,
     VerifyReport,
     load_common_state_dict,
     load_metadata,
     load_plain_tensors,
 )
-from .saving import SaveStats, save  # noqa: E402
+from .saver import AsyncSaveHandle, Saver, async_save, save, wait_for_saves
+from .saving import SaveStats
+from .sharding import (
+    LocalNonPersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
 
 __all__ = [
     "CheckpointError",
@@ -41,12 +42,15 @@ __all__ = [
     "IncompleteCheckpointError",
     "LocalNonPersistentObject",
     "MissingKeyError",
+    "AsyncSaveHandle",
     "SaveStats",
+    "Saver",
     "ShardedObject",
     "ShardedTensor",
     "ShardedTensorFactory",
     "ValidationError",
     "__version__",
+    "async_save",
     "CheckpointReader",
     "StrictHandling",
     "VerifyReport",
@@ -56,4 +60,5 @@ __all__ = [
     "load",
     "load_content_metadata",
     "save",
+    "wait_for_saves",
 ]

@@ -18,10 +18,11 @@ import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
+from typing_extensions import Buffer
 
 from .dtypes import dtype_from_name, dtype_name
 from .errors import CorruptCheckpointError, UnsafeObjectError
@@ -36,6 +37,11 @@ class EncodedTree:
     blobs: dict[str, bytes | memoryview] = field(default_factory=dict)
 
 
+def array_view(a: np.ndarray) -> memoryview:
+    """A flat byte view of a numpy array's memory (no copy)."""
+    return memoryview(cast(Buffer, a)).cast("B") if a.size else memoryview(b"")
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian C-order bytes of a (CPU) tensor, without copying when contiguous."""
     t = t.detach()
@@ -45,7 +51,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     flat = t.as_strided((t.numel(),), (1,))  # dense, whatever strides size-1 axes claim
-    return memoryview(flat.view(torch.uint8).numpy())
+    return array_view(flat.view(torch.uint8).numpy())
 
 
 def encode(tree: Any, blob_prefix: str) -> EncodedTree:
@@ -69,10 +75,22 @@ def encode(tree: Any, blob_prefix: str) -> EncodedTree:
         if isinstance(x, torch.Tensor):
             if x.layout != torch.strided or x.is_quantized or x.is_nested:
                 return pickled(x)
-            return {"$tensor": {"dtype": dtype_name(x.dtype), "shape": list(x.shape), "blob": blob(tensor_bytes(x))}}
+            return {
+                "$tensor": {
+                    "dtype": dtype_name(x.dtype),
+                    "shape": list(x.shape),
+                    "blob": blob(tensor_bytes(x)),
+                }
+            }
         if isinstance(x, np.ndarray) and x.dtype.kind in "biufc" and x.dtype.byteorder in "=<|":
             a = np.ascontiguousarray(x)
-            return {"$ndarray": {"dtype": a.dtype.str, "shape": list(a.shape), "blob": blob(memoryview(a).cast("B") if a.size else b"")}}
+            return {
+                "$ndarray": {
+                    "dtype": a.dtype.str,
+                    "shape": list(a.shape),
+                    "blob": blob(array_view(a)),
+                }
+            }
         if isinstance(x, np.generic) and x.dtype.kind in "biufc":
             return {"$npscalar": {"dtype": x.dtype.str, "value": enc(x.item())}}
         if isinstance(x, (bytes, bytearray)):
@@ -98,8 +116,15 @@ def encode(tree: Any, blob_prefix: str) -> EncodedTree:
         try:
             torch.save(x, buf)
         except Exception as e:
-            raise TypeError(f"cannot store a {type(x).__module__}.{type(x).__qualname__} in a checkpoint: {e}") from e
-        return {"$torch_save": {"type": f"{type(x).__module__}.{type(x).__qualname__}", "blob": blob(buf.getvalue())}}
+            raise TypeError(
+                f"cannot store a {type(x).__module__}.{type(x).__qualname__} in a checkpoint: {e}"
+            ) from e
+        return {
+            "$torch_save": {
+                "type": f"{type(x).__module__}.{type(x).__qualname__}",
+                "blob": blob(buf.getvalue()),
+            }
+        }
 
     out.node = enc(tree)
     return out
@@ -126,7 +151,9 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
                 raise bad(f"bad float {body!r}")
             return float(body)
         if tag == "$dict":
-            if not isinstance(body, list) or not all(isinstance(p, list) and len(p) == 2 for p in body):
+            if not isinstance(body, list) or not all(
+                isinstance(p, list) and len(p) == 2 for p in body
+            ):
                 raise bad("malformed $dict")
             out = {}
             for k, v in body:
@@ -155,7 +182,9 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
             shape = _shape(body, where)
             raw = bytes(fetch(_field(body, "blob", str, where)))
             if len(raw) != math.prod(shape) * dt.itemsize:
-                raise bad(f"ndarray blob holds {len(raw)} bytes, expected {math.prod(shape) * dt.itemsize}")
+                raise bad(
+                    f"ndarray blob holds {len(raw)} bytes, expected {math.prod(shape) * dt.itemsize}"
+                )
             return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
         if tag == "$npscalar":
             try:
@@ -184,11 +213,13 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
                 raise bad("malformed $namespace")
             return argparse.Namespace(**d)
         if tag == "$torch_save":
-            raw = fetch(_field(body, "blob", str, where))
+            pickled_bytes = bytes(fetch(_field(body, "blob", str, where)))
             try:
-                return torch.load(io.BytesIO(bytes(raw)), weights_only=True, map_location="cpu")
+                return torch.load(io.BytesIO(pickled_bytes), weights_only=True, map_location="cpu")
             except pickle.UnpicklingError as e:
-                raise UnsafeObjectError(f"{where}: refused to load a stored {body.get('type')!r}: {_refusal(e)}") from None
+                raise UnsafeObjectError(
+                    f"{where}: refused to load a stored {body.get('type')!r}: {_refusal(e)}"
+                ) from None
             except Exception as e:
                 raise bad(f"cannot read a stored {body.get('type')!r}: {e}") from None
         raise bad(f"unknown tag {tag!r}")
@@ -208,7 +239,10 @@ def _refusal(e: Exception) -> str:
             "context manager) and load again"
         )
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    detail = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else type(e).__name__)
+    detail = next(
+        (line for line in lines if "WeightsUnpickler error" in line),
+        lines[0] if lines else type(e).__name__,
+    )
     return (
         f"{detail} If you trust this checkpoint, allow what it needs with "
         "torch.serialization.add_safe_globals([...]) and load again"
@@ -228,10 +262,14 @@ def _shape(body: Any, where: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], where: str) -> torch.Tensor:
+def _tensor_from_bytes(
+    data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...], where: str
+) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if len(data) != nbytes:
-        raise CorruptCheckpointError(f"{where}: tensor blob holds {len(data)} bytes, expected {nbytes}")
+        raise CorruptCheckpointError(
+            f"{where}: tensor blob holds {len(data)} bytes, expected {nbytes}"
+        )
     out = torch.empty(shape, dtype=dtype)
     if nbytes:
         out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(data, dtype=np.uint8)

@@ -43,7 +43,9 @@ class Comm:
         try:
             tdist.all_gather_object(out, json.dumps(obj), group=self.group)
         except Exception as e:
-            raise DistributedError(f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out") from e
+            raise DistributedError(
+                f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out"
+            ) from e
         return [json.loads(s) for s in out]
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -54,7 +56,9 @@ class Comm:
         try:
             tdist.gather_object(json.dumps(obj), out, dst=self.global_rank(0), group=self.group)
         except Exception as e:
-            raise DistributedError(f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out") from e
+            raise DistributedError(
+                f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out"
+            ) from e
         return [json.loads(s) for s in out] if out is not None else None
 
     def broadcast(self, obj: Any) -> Any:
@@ -65,7 +69,9 @@ class Comm:
         try:
             tdist.broadcast_object_list(box, src=self.global_rank(0), group=self.group)
         except Exception as e:
-            raise DistributedError(f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out") from e
+            raise DistributedError(
+                f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out"
+            ) from e
         return json.loads(box[0])  # type: ignore[arg-type]
 
     def scatter(self, objs: list[Any] | None) -> Any:
@@ -78,7 +84,9 @@ class Comm:
         try:
             tdist.scatter_object_list(out, inputs, src=self.global_rank(0), group=self.group)
         except Exception as e:
-            raise DistributedError(f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out") from e
+            raise DistributedError(
+                f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out"
+            ) from e
         return json.loads(out[0])
 
     def global_rank(self, group_rank: int) -> int:
@@ -91,9 +99,13 @@ def get_comm(process_group: Any = None) -> Comm:
     """The ranks of ``process_group`` (default group if None), or a single-process Comm."""
     if not (tdist.is_available() and tdist.is_initialized()):
         if process_group is not None:
-            raise CheckpointError("a process_group was given but torch.distributed is not initialised")
+            raise CheckpointError(
+                "a process_group was given but torch.distributed is not initialised"
+            )
         return Comm()
-    return Comm(process_group, tdist.get_rank(process_group), tdist.get_world_size(process_group), True)
+    return Comm(
+        process_group, tdist.get_rank(process_group), tdist.get_world_size(process_group), True
+    )
 
 
 def outcome(fn: Callable[[], T]) -> tuple[T | None, dict[str, Any] | None]:
@@ -114,7 +126,12 @@ def error_record(e: BaseException) -> dict[str, Any]:
     message = str(e) or type(e).__name__
     if not isinstance(e, CheckpointError):
         message = f"{type(e).__name__}: {message}"
-    return {"type": cls, "message": message, "origin": type(e).__name__, "trace": traceback.format_exc(limit=6)}
+    return {
+        "type": cls,
+        "message": message,
+        "origin": type(e).__name__,
+        "trace": traceback.format_exc(limit=6),
+    }
 
 
 def _local_cause() -> BaseException | None:
@@ -137,13 +154,20 @@ def raise_for(records: list[dict[str, Any] | None], stage: str) -> None:
     if len(kinds) == 1:
         ((kind, message),) = kinds
         cls = getattr(_errors, kind, None)
-        if isinstance(cls, type) and issubclass(cls, CheckpointError) and cls is not DistributedError:
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, CheckpointError)
+            and cls is not DistributedError
+        ):
             if len(records) > 1 and len(failed) < len(records):
                 message = f"{message} (on {describe_ranks(list(failed))} during {stage})"
             raise _make(cls, message) from _local_cause()
-    lines = "; ".join(f"rank {r}: {rec['origin']}: {rec['message']}" for r, rec in sorted(failed.items())[:8])
+    lines = "; ".join(
+        f"rank {r}: {rec['origin']}: {rec['message']}" for r, rec in sorted(failed.items())[:8]
+    )
     raise DistributedError(
-        f"{stage} failed on {describe_ranks(list(failed))}: {lines}", {r: rec["message"] for r, rec in failed.items()}
+        f"{stage} failed on {describe_ranks(list(failed))}: {lines}",
+        {r: rec["message"] for r, rec in failed.items()},
     ) from _local_cause()
 
 

@@ -11,10 +11,26 @@ _SUPPORTED: tuple[torch.dtype, ...] = tuple(
     for d in (
         getattr(torch, name, None)
         for name in (
-            "float64", "float32", "float16", "bfloat16",
-            "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-            "complex64", "complex128",
-            "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+            "float64",
+            "float32",
+            "float16",
+            "bfloat16",
+            "float8_e4m3fn",
+            "float8_e4m3fnuz",
+            "float8_e5m2",
+            "float8_e5m2fnuz",
+            "float8_e8m0fnu",
+            "complex64",
+            "complex128",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "uint8",
+            "uint16",
+            "uint32",
+            "uint64",
+            "bool",
         )
     )
     if isinstance(d, torch.dtype)
@@ -26,7 +42,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``; refuses element types the format does not define."""
     name = str(dtype).removeprefix("torch.")
     if name not in _BY_NAME:
-        raise TypeError(f"tensors of dtype {dtype} cannot be checkpointed; supported: {sorted(_BY_NAME)}")
+        raise TypeError(
+            f"tensors of dtype {dtype} cannot be checkpointed; supported: {sorted(_BY_NAME)}"
+        )
     return name
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .checksum import block_checksums, digest
+from .codec import array_view
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import Extent, StoredPiece
 from .geometry import Box, flat_index, intersect, is_contiguous_in, strides
@@ -39,7 +40,11 @@ def _align(nbytes: int) -> int:
 
 
 def _write_all(f: Any, data: memoryview | bytes) -> None:
-    view = memoryview(data).cast("B") if isinstance(data, memoryview) and data.format != "B" else memoryview(data)
+    view = (
+        memoryview(data).cast("B")
+        if isinstance(data, memoryview) and data.format != "B"
+        else memoryview(data)
+    )
     while len(view):
         n = f.write(view)
         if n is None:  # non-blocking streams; not expected for files
@@ -104,7 +109,9 @@ class ReadTask:
 class DataReader:
     """Reads verified regions of a checkpoint's data files; thread-safe."""
 
-    def __init__(self, storage: Storage, block_bytes: int, max_buffer: int = DEFAULT_MAX_BUFFER) -> None:
+    def __init__(
+        self, storage: Storage, block_bytes: int, max_buffer: int = DEFAULT_MAX_BUFFER
+    ) -> None:
         self.storage = storage
         self.block_bytes = block_bytes
         self.max_buffer = max_buffer
@@ -137,7 +144,9 @@ class DataReader:
                         f"partly deleted — {_RESTORE}"
                     ) from None
                 except OSError as e:
-                    raise CorruptCheckpointError(f"{what}: cannot open {self.storage.describe(rel)}: {e}") from None
+                    raise CorruptCheckpointError(
+                        f"{what}: cannot open {self.storage.describe(rel)}: {e}"
+                    ) from None
             return r
 
     def _scratch(self, nbytes: int) -> np.ndarray:
@@ -152,11 +161,15 @@ class DataReader:
         try:
             self._reader(extent.file, what).read_into(extent.byte_offset + start, out)
         except EOFError as e:
-            raise CorruptCheckpointError(f"{what}: {e}; the data file is truncated — {_RESTORE}") from None
+            raise CorruptCheckpointError(
+                f"{what}: {e}; the data file is truncated — {_RESTORE}"
+            ) from None
         except CheckpointError:
             raise
         except OSError as e:
-            raise CorruptCheckpointError(f"{what}: cannot read {self.storage.describe(extent.file)}: {e}") from None
+            raise CorruptCheckpointError(
+                f"{what}: cannot read {self.storage.describe(extent.file)}: {e}"
+            ) from None
         self.bytes_read += len(out)
 
     def _verify(self, extent: Extent, start: int, data: memoryview, what: str) -> None:
@@ -205,14 +218,14 @@ class DataReader:
             and target.numel() == region.numel
         ):
             flat = target.as_strided((target.numel(),), (1,))  # dense, whatever size-1 axes claim
-            out = memoryview(flat.view(torch.uint8).numpy())
+            out = array_view(flat.view(torch.uint8).numpy())
             self._read(extent, a, out, what)
             self._verify(extent, a, out, what)
             return
         lo = (a // bb) * bb
         hi = min(-(-b // bb) * bb, extent.nbytes)
         buf = self._scratch(hi - lo)
-        view = memoryview(buf)
+        view = array_view(buf)
         self._read(extent, lo, view, what)
         self._verify(extent, lo, view, what)
         src = torch.from_numpy(buf[a - lo : b - lo]).view(task.dtype)
@@ -224,7 +237,9 @@ class DataReader:
 
 
 def region_slices(region: Box, origin: Sequence[int]) -> tuple[slice, ...]:
-    return tuple(slice(o - b, o - b + s) for o, s, b in zip(region.offset, region.shape, origin, strict=True))
+    return tuple(
+        slice(o - b, o - b + s) for o, s, b in zip(region.offset, region.shape, origin, strict=True)
+    )
 
 
 def split_region(shape: Sequence[int], region: Box, max_elems: int) -> Iterator[Box]:
@@ -280,11 +295,26 @@ def plan_reads(
                 rel = inter.relative_to(pbox.offset)
                 for part in split_region(pbox.shape, rel, max_elems):
                     glob = part.shifted(pbox.offset)
-                    tasks.append(ReadTask(key, piece, position, pbox, part, view[region_slices(glob, dbox.offset)], dtype))
+                    tasks.append(
+                        ReadTask(
+                            key,
+                            piece,
+                            position,
+                            pbox,
+                            part,
+                            view[region_slices(glob, dbox.offset)],
+                            dtype,
+                        )
+                    )
     return tasks, covered
 
 
-def run_tasks(reader: DataReader, tasks: Sequence[ReadTask], threads: int, on_done: Callable[[int], None] | None = None) -> None:
+def run_tasks(
+    reader: DataReader,
+    tasks: Sequence[ReadTask],
+    threads: int,
+    on_done: Callable[[int], None] | None = None,
+) -> None:
     """Execute read tasks on a small thread pool (reads and copies release the GIL)."""
     if not tasks:
         return

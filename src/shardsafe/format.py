@@ -52,7 +52,12 @@ class Extent:
     checksums: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "byte_offset": self.byte_offset, "nbytes": self.nbytes, "checksums": list(self.checksums)}
+        return {
+            "file": self.file,
+            "byte_offset": self.byte_offset,
+            "nbytes": self.nbytes,
+            "checksums": list(self.checksums),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +81,9 @@ class StoredPiece:
         """``(element position in the piece's bytes, global box)``, each box contiguous there."""
         if self.flat is None:
             return [(0, self.box)]
-        return [(pos, b.shifted(self.offset)) for pos, b in flat_range_to_boxes(self.shape, *self.flat)]
+        return [
+            (pos, b.shifted(self.offset)) for pos, b in flat_range_to_boxes(self.shape, *self.flat)
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -98,7 +105,11 @@ class TensorEntry:
         return math.prod(self.shape) * itemsize(dtype_from_name(self.dtype))
 
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "pieces": [p.to_json() for p in self.pieces]}
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "pieces": [p.to_json() for p in self.pieces],
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +122,12 @@ class ObjectEntry:
     value: Any
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "global_shape": list(self.global_shape), "global_offset": list(self.global_offset), "value": self.value}
+        return {
+            "key": self.key,
+            "global_shape": list(self.global_shape),
+            "global_offset": list(self.global_offset),
+            "value": self.value,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +183,9 @@ class Manifest:
         try:
             obj = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise CorruptCheckpointError(f"{where} is not valid JSON ({e}); the checkpoint is corrupt") from None
+            raise CorruptCheckpointError(
+                f"{where} is not valid JSON ({e}); the checkpoint is corrupt"
+            ) from None
         return Manifest.from_json(obj, where)
 
     @staticmethod
@@ -182,7 +200,9 @@ class _Parser:
         self.where = where
 
     def bad(self, ctx: str, msg: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{self.where}: {ctx}: {msg}; the checkpoint is corrupt or not a shardsafe v{FORMAT_VERSION} checkpoint")
+        return CorruptCheckpointError(
+            f"{self.where}: {ctx}: {msg}; the checkpoint is corrupt or not a shardsafe v{FORMAT_VERSION} checkpoint"
+        )
 
     def get(self, obj: Any, name: str, kind: type | tuple[type, ...], ctx: str) -> Any:
         if not isinstance(obj, dict) or name not in obj:
@@ -208,7 +228,9 @@ class _Parser:
         if not isinstance(obj, dict):
             raise self.bad("top level", "not a JSON object")
         if obj.get("format") != FORMAT_NAME:
-            raise self.bad("top level", f"format is {obj.get('format')!r}, expected {FORMAT_NAME!r}")
+            raise self.bad(
+                "top level", f"format is {obj.get('format')!r}, expected {FORMAT_NAME!r}"
+            )
         version = obj.get("version")
         if version != FORMAT_VERSION:
             raise CorruptCheckpointError(
@@ -224,7 +246,9 @@ class _Parser:
         files: dict[str, FileEntry] = {}
         for name, f in self.get(obj, "files", dict, "top level").items():
             check_file_name(name, self.where)
-            files[name] = FileEntry(self.nat(f, "nbytes", f"file {name}"), self.nat(f, "rank", f"file {name}"))
+            files[name] = FileEntry(
+                self.nat(f, "nbytes", f"file {name}"), self.nat(f, "rank", f"file {name}")
+            )
         tensors = {}
         for key, t in self.get(obj, "tensors", dict, "top level").items():
             tensors[key] = self.tensor(key, t, files, block_bytes)
@@ -232,10 +256,15 @@ class _Parser:
         for ukey, o in self.get(obj, "objects", dict, "top level").items():
             ctx = f"object {ukey!r}"
             objects[ukey] = ObjectEntry(
-                self.get(o, "key", str, ctx), self.ints(o, "global_shape", ctx), self.ints(o, "global_offset", ctx),
+                self.get(o, "key", str, ctx),
+                self.ints(o, "global_shape", ctx),
+                self.ints(o, "global_offset", ctx),
                 o.get("value") if isinstance(o, dict) else None,
             )
-        blobs = {bid: self.extent(b, f"blob {bid!r}", files, block_bytes) for bid, b in self.get(obj, "blobs", dict, "top level").items()}
+        blobs = {
+            bid: self.extent(b, f"blob {bid!r}", files, block_bytes)
+            for bid, b in self.get(obj, "blobs", dict, "top level").items()
+        }
         user = obj.get("user_metadata", {})
         return Manifest(
             world_size=self.nat(obj, "world_size", "top level"),
@@ -250,19 +279,31 @@ class _Parser:
             user_metadata=user if isinstance(user, dict) else {},
         )
 
-    def extent(self, obj: Any, ctx: str, files: Mapping[str, FileEntry], block_bytes: int) -> Extent:
+    def extent(
+        self, obj: Any, ctx: str, files: Mapping[str, FileEntry], block_bytes: int
+    ) -> Extent:
         name = check_file_name(self.get(obj, "file", str, ctx), self.where)
         if name not in files:
             raise self.bad(ctx, f"refers to {name}, which the files table does not list")
         offset, nbytes = self.nat(obj, "byte_offset", ctx), self.nat(obj, "nbytes", ctx)
         if offset + nbytes > files[name].nbytes:
-            raise self.bad(ctx, f"bytes [{offset}, {offset + nbytes}) lie beyond the end of {name} ({files[name].nbytes} bytes)")
+            raise self.bad(
+                ctx,
+                f"bytes [{offset}, {offset + nbytes}) lie beyond the end of {name} ({files[name].nbytes} bytes)",
+            )
         sums = self.get(obj, "checksums", list, ctx)
-        if len(sums) != block_count(nbytes, block_bytes) or not all(isinstance(s, str) and len(s) <= 32 for s in sums):
-            raise self.bad(ctx, f"expected {block_count(nbytes, block_bytes)} block checksums, found {len(sums)}")
+        if len(sums) != block_count(nbytes, block_bytes) or not all(
+            isinstance(s, str) and len(s) <= 32 for s in sums
+        ):
+            raise self.bad(
+                ctx,
+                f"expected {block_count(nbytes, block_bytes)} block checksums, found {len(sums)}",
+            )
         return Extent(name, offset, nbytes, tuple(sums))
 
-    def tensor(self, key: str, obj: Any, files: Mapping[str, FileEntry], block_bytes: int) -> TensorEntry:
+    def tensor(
+        self, key: str, obj: Any, files: Mapping[str, FileEntry], block_bytes: int
+    ) -> TensorEntry:
         ctx = f"tensor {key!r}"
         dtype = self.get(obj, "dtype", str, ctx)
         size = itemsize(dtype_from_name(dtype, f"{self.where}: {ctx}"))
@@ -271,19 +312,33 @@ class _Parser:
         for i, p in enumerate(self.get(obj, "pieces", list, ctx)):
             pctx = f"{ctx} piece {i}"
             offset, pshape = self.ints(p, "offset", pctx), self.ints(p, "shape", pctx)
-            if len(offset) != len(shape) or len(pshape) != len(shape) or not Box(offset, pshape).within(shape):
-                raise self.bad(pctx, f"box {offset}+{pshape} does not fit the tensor's shape {shape}")
+            if (
+                len(offset) != len(shape)
+                or len(pshape) != len(shape)
+                or not Box(offset, pshape).within(shape)
+            ):
+                raise self.bad(
+                    pctx, f"box {offset}+{pshape} does not fit the tensor's shape {shape}"
+                )
             flat_raw = p.get("flat") if isinstance(p, dict) else None
             flat: tuple[int, int] | None = None
             if flat_raw is not None:
-                if not (isinstance(flat_raw, list) and len(flat_raw) == 2 and all(type(v) is int for v in flat_raw)) or not (
-                    0 <= flat_raw[0] <= flat_raw[1] <= math.prod(pshape)
-                ):
-                    raise self.bad(pctx, f"flat range {flat_raw!r} is not inside the box's {math.prod(pshape)} elements")
+                if not (
+                    isinstance(flat_raw, list)
+                    and len(flat_raw) == 2
+                    and all(type(v) is int for v in flat_raw)
+                ) or not (0 <= flat_raw[0] <= flat_raw[1] <= math.prod(pshape)):
+                    raise self.bad(
+                        pctx,
+                        f"flat range {flat_raw!r} is not inside the box's {math.prod(pshape)} elements",
+                    )
                 flat = (flat_raw[0], flat_raw[1])
             extent = self.extent(p, pctx, files, block_bytes)
             numel = flat[1] - flat[0] if flat else math.prod(pshape)
             if extent.nbytes != numel * size:
-                raise self.bad(pctx, f"holds {extent.nbytes} bytes, but {numel} {dtype} elements need {numel * size}")
+                raise self.bad(
+                    pctx,
+                    f"holds {extent.nbytes} bytes, but {numel} {dtype} elements need {numel * size}",
+                )
             pieces.append(StoredPiece(offset, pshape, flat, extent))
         return TensorEntry(dtype, shape, tuple(pieces))

@@ -170,7 +170,9 @@ def covered_volume(boxes: Iterable[Box]) -> int:
     return sum(b.numel for b in boxes)
 
 
-def first_uncovered(shape: Sequence[int], boxes: Sequence[Box], max_cells: int = 1 << 20) -> Shape | None:
+def first_uncovered(
+    shape: Sequence[int], boxes: Sequence[Box], max_cells: int = 1 << 20
+) -> Shape | None:
     """An index of ``shape`` that no box covers, or None if all are covered or the search is too big.
 
     Compresses coordinates to the boxes' cut points, so the work depends on the number of
@@ -181,7 +183,10 @@ def first_uncovered(shape: Sequence[int], boxes: Sequence[Box], max_cells: int =
         return None
     if not shape:
         return None if boxes else ()
-    cuts = [sorted({0, n, *(b.offset[ax] for b in boxes), *(b.end[ax] for b in boxes)}) for ax, n in enumerate(shape)]
+    cuts = [
+        sorted({0, n, *(b.offset[ax] for b in boxes), *(b.end[ax] for b in boxes)})
+        for ax, n in enumerate(shape)
+    ]
     cuts = [[c for c in axis if c <= n] for axis, n in zip(cuts, shape, strict=True)]
     if math.prod(len(c) - 1 for c in cuts) > max_cells:
         return None
@@ -190,7 +195,10 @@ def first_uncovered(shape: Sequence[int], boxes: Sequence[Box], max_cells: int =
     grid = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
     position = [{c: i for i, c in enumerate(axis)} for axis in cuts]
     for b in boxes:
-        sl = tuple(slice(position[ax][b.offset[ax]], position[ax][min(b.end[ax], shape[ax])]) for ax in range(len(shape)))
+        sl = tuple(
+            slice(position[ax][b.offset[ax]], position[ax][min(b.end[ax], shape[ax])])
+            for ax in range(len(shape))
+        )
         grid[sl] = True
     missing = np.argwhere(~grid)
     if len(missing) == 0:

@@ -72,7 +72,11 @@ class StrictHandling(enum.Enum):
 
     @property
     def raises_unexpected(self) -> bool:
-        return self in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL)
+        return self in (
+            StrictHandling.ASSUME_OK_UNEXPECTED,
+            StrictHandling.RAISE_UNEXPECTED,
+            StrictHandling.RAISE_ALL,
+        )
 
 
 # --------------------------------------------------------------------------- manifest
@@ -93,7 +97,9 @@ def read_manifest(path: str | os.PathLike[str]) -> tuple[Manifest, Storage]:
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise _not_found(loc, storage) from None
     except OSError as e:
-        raise CorruptCheckpointError(f"cannot read {storage.describe(MANIFEST_NAME)}: {e}") from None
+        raise CorruptCheckpointError(
+            f"cannot read {storage.describe(MANIFEST_NAME)}: {e}"
+        ) from None
     return Manifest.loads(raw, storage.describe(MANIFEST_NAME)), storage
 
 
@@ -105,7 +111,9 @@ def _not_found(loc: Location, storage: Storage) -> CheckpointNotFoundError:
                 f"{loc.url} has data files but no {MANIFEST_NAME}: a save into it never committed. "
                 "Load an earlier checkpoint; delete this directory to reclaim space"
             )
-        return CheckpointNotFoundError(f"{loc.url} is not a shardsafe checkpoint (no {MANIFEST_NAME})")
+        return CheckpointNotFoundError(
+            f"{loc.url} is not a shardsafe checkpoint (no {MANIFEST_NAME})"
+        )
     if siblings:
         return IncompleteCheckpointError(
             f"{loc.url} does not exist; {loc.parent.describe(siblings[0])} is an uncommitted save into it "
@@ -151,7 +159,9 @@ def _check_compatible(st: ShardedTensor, entry: TensorEntry, where: str) -> None
         )
 
 
-def _fill_tensor(st: ShardedTensor, entry: TensorEntry, max_elems: int, where: str) -> tuple[torch.Tensor, list[ReadTask], Callable[[], None]]:
+def _fill_tensor(
+    st: ShardedTensor, entry: TensorEntry, max_elems: int, where: str
+) -> tuple[torch.Tensor, list[ReadTask], Callable[[], None]]:
     """Destination tensor, the reads that fill it, and a finaliser to run after the reads."""
     _check_compatible(st, entry, where)
     shape = (st.numel,) if st.flattened_range is not None else st.local_shape
@@ -163,7 +173,9 @@ def _fill_tensor(st: ShardedTensor, entry: TensorEntry, max_elems: int, where: s
     work = data
     if st.flattened_range is not None and not data.is_contiguous():
         work = torch.empty_like(data, memory_format=torch.contiguous_format)
-    tasks, covered = plan_reads(st.key, entry.pieces, _targets(st, work), dtype_from_name(entry.dtype), max_elems)
+    tasks, covered = plan_reads(
+        st.key, entry.pieces, _targets(st, work), dtype_from_name(entry.dtype), max_elems
+    )
     if tuple(entry.shape) == st.global_shape and covered != st.numel:
         raise CorruptCheckpointError(
             f"{st.key!r}: the checkpoint's pieces cover {covered} of the {st.numel} requested elements; "
@@ -196,8 +208,15 @@ def load(
     strict = StrictHandling(strict)
     comm = get_comm(process_group)
     t0 = time.perf_counter()
-    result, err = outcome(lambda: _load_local(sharded_state_dict, path, strict, threads or default_threads(), max_buffer_bytes))
-    state = {"error": err, "requested": sorted(result[2]) if result and strict.needs_missing else None}
+    result, err = outcome(
+        lambda: _load_local(
+            sharded_state_dict, path, strict, threads or default_threads(), max_buffer_bytes
+        )
+    )
+    state = {
+        "error": err,
+        "requested": sorted(result[2]) if result and strict.needs_missing else None,
+    }
     records = comm.all_gather(state)
     raise_for([r["error"] for r in records], "load")
     assert result is not None
@@ -207,7 +226,9 @@ def load(
         everyone = set().union(*(set(r["requested"]) for r in records))
         missing = stored_keys - everyone
         if missing:
-            msg = f"{len(missing)} checkpoint keys were requested by no rank: {sorted(missing)[:10]}"
+            msg = (
+                f"{len(missing)} checkpoint keys were requested by no rank: {sorted(missing)[:10]}"
+            )
             if strict == StrictHandling.RAISE_ALL:
                 raise MissingKeyError(
                     f"{os.fspath(path)}: {msg}; request them too, or pass strict='raise_unexpected' "
@@ -222,7 +243,13 @@ def load(
     return loaded
 
 
-def _load_local(template: Any, path: str | os.PathLike[str], strict: StrictHandling, threads: int, max_buffer: int) -> tuple[Any, list[str], set[str], set[str]]:
+def _load_local(
+    template: Any,
+    path: str | os.PathLike[str],
+    strict: StrictHandling,
+    threads: int,
+    max_buffer: int,
+) -> tuple[Any, list[str], set[str], set[str]]:
     manifest, storage = read_manifest(path)
     where = storage.describe(MANIFEST_NAME)
     factories: list[tuple[Path, ShardedTensorFactory]] = []
@@ -248,7 +275,9 @@ def _load_local(template: Any, path: str | os.PathLike[str], strict: StrictHandl
         for _, st in split.tensors:
             if st.key in skip:
                 continue
-            data, t, fin = _fill_tensor(st, manifest.tensors[st.key], max(1, max_buffer // st.dtype.itemsize), where)
+            data, t, fin = _fill_tensor(
+                st, manifest.tensors[st.key], max(1, max_buffer // st.dtype.itemsize), where
+            )
             values[id(st)] = data
             tasks.extend(t)
             finishers.append(fin)
@@ -259,13 +288,17 @@ def _load_local(template: Any, path: str | os.PathLike[str], strict: StrictHandl
         def fetch(blob_id: str) -> bytes:
             extent = manifest.blobs.get(blob_id)
             if extent is None:
-                raise CorruptCheckpointError(f"{where}: blob {blob_id!r} is referenced but not listed")
+                raise CorruptCheckpointError(
+                    f"{where}: blob {blob_id!r} is referenced but not listed"
+                )
             return reader.read_extent(extent, f"blob {blob_id!r}")
 
         for _, o in split.objects:
             if o.unique_key in skip:
                 continue
-            values[id(o)] = decode(manifest.objects[o.unique_key].value, fetch, f"{where}: object {o.unique_key!r}")
+            values[id(o)] = decode(
+                manifest.objects[o.unique_key].value, fetch, f"{where}: object {o.unique_key!r}"
+            )
         common = decode(manifest.common, fetch, f"{where}: common state")
     result = _merge(tree, common, values, skip)
     for fpath, factory in reversed(factories):
@@ -282,7 +315,9 @@ def _suggest(key: str, manifest: Manifest) -> str:
     return hint + "; check the keys, or pass strict='log_unexpected' to load the rest"
 
 
-def _apply_factories_recording(node: Any, path: Path, out: list[tuple[Path, ShardedTensorFactory]]) -> Any:
+def _apply_factories_recording(
+    node: Any, path: Path, out: list[tuple[Path, ShardedTensorFactory]]
+) -> Any:
     if isinstance(node, ShardedTensorFactory):
         out.append((path, node))
         return _apply_factories_recording(node.build(), path, out)
@@ -307,7 +342,9 @@ def _merge(template: Any, common: Any, values: dict[int, Any], skip: set[str]) -
     if isinstance(template, dict):
         out = dict(common) if isinstance(common, dict) else {}
         for k, v in template.items():
-            merged = _merge(v, common.get(k, _ABSENT) if isinstance(common, dict) else _ABSENT, values, skip)
+            merged = _merge(
+                v, common.get(k, _ABSENT) if isinstance(common, dict) else _ABSENT, values, skip
+            )
             if merged is _ABSENT:
                 out.pop(k, None)
             else:
@@ -316,7 +353,8 @@ def _merge(template: Any, common: Any, values: dict[int, Any], skip: set[str]) -
     if isinstance(template, list):
         base = common if isinstance(common, list) else []
         out_list = [
-            _merge(v, base[i] if i < len(base) else _ABSENT, values, skip) for i, v in enumerate(template)
+            _merge(v, base[i] if i < len(base) else _ABSENT, values, skip)
+            for i, v in enumerate(template)
         ]
         return [v for v in out_list if v is not _ABSENT]
     return template if common is _ABSENT else common

@@ -42,7 +42,9 @@ def locate(path: str | os.PathLike[str]) -> Location:
     if is_url(text):
         base, _, name = text.rstrip("/").rpartition("/")
         if not name or base.endswith(":/"):
-            raise CheckpointError(f"{text}: a checkpoint URL needs a name after the bucket, e.g. s3://bucket/run1/step100")
+            raise CheckpointError(
+                f"{text}: a checkpoint URL needs a name after the bucket, e.g. s3://bucket/run1/step100"
+            )
         return Location(storage_for(base), name, text.rstrip("/"))
     full = os.path.abspath(text)
     parent, name = os.path.split(full.rstrip(os.sep))

@@ -41,12 +41,29 @@ class PieceDesc:
         return [b.shifted(self.offset) for _, b in flat_range_to_boxes(self.shape, *self.flat)]
 
     def to_json(self) -> list[Any]:
-        return [self.key, self.dtype, list(self.global_shape), list(self.offset), list(self.shape),
-                list(self.flat) if self.flat else None, self.main, self.nbytes]
+        return [
+            self.key,
+            self.dtype,
+            list(self.global_shape),
+            list(self.offset),
+            list(self.shape),
+            list(self.flat) if self.flat else None,
+            self.main,
+            self.nbytes,
+        ]
 
     @staticmethod
     def from_json(v: list[Any]) -> PieceDesc:
-        return PieceDesc(v[0], v[1], tuple(v[2]), tuple(v[3]), tuple(v[4]), tuple(v[5]) if v[5] else None, bool(v[6]), int(v[7]))  # type: ignore[arg-type]
+        return PieceDesc(
+            v[0],
+            v[1],
+            tuple(v[2]),
+            tuple(v[3]),
+            tuple(v[4]),
+            tuple(v[5]) if v[5] else None,
+            bool(v[6]),
+            int(v[7]),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +75,13 @@ class ObjectDesc:
     main: bool
 
     def to_json(self) -> list[Any]:
-        return [self.unique_key, self.key, list(self.global_shape), list(self.global_offset), self.main]
+        return [
+            self.unique_key,
+            self.key,
+            list(self.global_shape),
+            list(self.global_offset),
+            self.main,
+        ]
 
     @staticmethod
     def from_json(v: list[Any]) -> ObjectDesc:
@@ -74,7 +97,11 @@ class LocalPlan:
     objects: tuple[ObjectDesc, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "pieces": [p.to_json() for p in self.pieces], "objects": [o.to_json() for o in self.objects]}
+        return {
+            "rank": self.rank,
+            "pieces": [p.to_json() for p in self.pieces],
+            "objects": [o.to_json() for o in self.objects],
+        }
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> LocalPlan:
@@ -86,7 +113,9 @@ class LocalPlan:
 
     def structure_hash(self) -> str:
         """Hash of everything that shapes the plan: keys, dtypes, boxes, flat ranges, replicas."""
-        return hashlib.sha256(json.dumps(self.to_json(), separators=(",", ":")).encode()).hexdigest()
+        return hashlib.sha256(
+            json.dumps(self.to_json(), separators=(",", ":")).encode()
+        ).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -110,7 +139,10 @@ class GlobalPlan:
     assignments: tuple[RankAssignment, ...]  # by rank
 
     def bytes_per_rank(self, local_plans: Sequence[LocalPlan]) -> list[int]:
-        return [sum(lp.pieces[i].nbytes for i in a.pieces) for lp, a in zip(local_plans, self.assignments, strict=True)]
+        return [
+            sum(lp.pieces[i].nbytes for i in a.pieces)
+            for lp, a in zip(local_plans, self.assignments, strict=True)
+        ]
 
 
 def make_global_plan(local_plans: Sequence[LocalPlan]) -> GlobalPlan:
@@ -130,7 +162,9 @@ def make_global_plan(local_plans: Sequence[LocalPlan]) -> GlobalPlan:
         by_geometry: dict[tuple[Any, ...], list[tuple[int, int, PieceDesc]]] = defaultdict(list)
         for rank, i, p in items:
             by_geometry[p.geometry].append((rank, i, p))
-        unique: list[tuple[tuple[Any, ...], list[tuple[int, int, PieceDesc]]]] = list(by_geometry.items())
+        unique: list[tuple[tuple[Any, ...], list[tuple[int, int, PieceDesc]]]] = list(
+            by_geometry.items()
+        )
         for geometry, holders in unique:
             mains = [r for r, _, p in holders if p.main]
             desc = _describe_piece(holders[0][2])
@@ -149,14 +183,17 @@ def make_global_plan(local_plans: Sequence[LocalPlan]) -> GlobalPlan:
     loads = [0] * len(local_plans)
     chosen: list[list[int]] = [[] for _ in local_plans]
     groups.sort(key=lambda g: (-g[0], g[1], str(g[2])))
-    for nbytes, _, _, holders in groups:
-        rank, index = min(holders, key=lambda h: (loads[h[0]], h[0]))
+    for nbytes, _, _, writers in groups:
+        rank, index = min(writers, key=lambda h: (loads[h[0]], h[0]))
         loads[rank] += nbytes
         chosen[rank].append(index)
     object_writes = _plan_objects(local_plans)
     return GlobalPlan(
         tensors,
-        tuple(RankAssignment(tuple(sorted(chosen[r])), tuple(object_writes[r])) for r in range(len(local_plans))),
+        tuple(
+            RankAssignment(tuple(sorted(chosen[r])), tuple(object_writes[r]))
+            for r in range(len(local_plans))
+        ),
     )
 
 
@@ -170,12 +207,19 @@ def _check_tensor(key: str, items: list[tuple[int, int, PieceDesc]]) -> tuple[st
     for rank, _, p in items:
         variants[(p.dtype, p.global_shape)].append(rank)
     if len(variants) > 1:
-        parts = "; ".join(f"{describe_ranks(rs)} declare {dt} {list(shape)}" for (dt, shape), rs in variants.items())
+        parts = "; ".join(
+            f"{describe_ranks(rs)} declare {dt} {list(shape)}"
+            for (dt, shape), rs in variants.items()
+        )
         raise ValidationError(f"{key!r}: ranks disagree on dtype or global shape: {parts}")
     return next(iter(variants))
 
 
-def _check_coverage(key: str, shape: tuple[int, ...], unique: list[tuple[tuple[Any, ...], list[tuple[int, int, PieceDesc]]]]) -> None:
+def _check_coverage(
+    key: str,
+    shape: tuple[int, ...],
+    unique: list[tuple[tuple[Any, ...], list[tuple[int, int, PieceDesc]]]],
+) -> None:
     boxes: list[Box] = []
     owner: list[tuple[PieceDesc, list[int]]] = []
     for _, holders in unique:
@@ -218,8 +262,14 @@ def _plan_objects(local_plans: Sequence[LocalPlan]) -> list[list[int]]:
         mains = [(r, i) for r, i, o in holders if o.main]
         if len(mains) != 1:
             ranks = [r for r, _ in mains] if mains else [r for r, _, _ in holders]
-            what = "no holder with replica_id 0" if not mains else f"replica_id 0 on {describe_ranks(ranks)}"
-            raise ValidationError(f"object {ukey!r}: {what}; exactly one holder must be the main replica")
+            what = (
+                "no holder with replica_id 0"
+                if not mains
+                else f"replica_id 0 on {describe_ranks(ranks)}"
+            )
+            raise ValidationError(
+                f"object {ukey!r}: {what}; exactly one holder must be the main replica"
+            )
         writes[mains[0][0]].append(mains[0][1])
         cells[holders[0][2].key] += 1
     for key, variants in shapes.items():

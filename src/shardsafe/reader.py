@@ -28,7 +28,13 @@ from .sharding import ShardedObject, ShardedTensor
 class CheckpointReader:
     """Read a committed checkpoint from one process."""
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None, max_buffer_bytes: int = DEFAULT_MAX_BUFFER) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        threads: int | None = None,
+        max_buffer_bytes: int = DEFAULT_MAX_BUFFER,
+    ) -> None:
         self.path = os.fspath(path)
         self.manifest, self.storage = read_manifest(path)
         self.threads = threads or default_threads()
@@ -58,9 +64,17 @@ class CheckpointReader:
         shape, dtype = self.tensor_meta(key)
         data = out if out is not None else torch.empty(shape, dtype=dtype)
         entry = self._entry(key)
-        tasks, covered = plan_reads(key, entry.pieces, [(full_box(shape), data)], dtype, max(1, self.max_buffer // dtype.itemsize))
+        tasks, covered = plan_reads(
+            key,
+            entry.pieces,
+            [(full_box(shape), data)],
+            dtype,
+            max(1, self.max_buffer // dtype.itemsize),
+        )
         if covered != math.prod(shape):
-            raise CheckpointError(f"{self.path}: tensor {key!r}: pieces cover {covered} of {math.prod(shape)} elements")
+            raise CheckpointError(
+                f"{self.path}: tensor {key!r}: pieces cover {covered} of {math.prod(shape)} elements"
+            )
         with DataReader(self.storage, self.manifest.block_bytes, self.max_buffer) as reader:
             run_tasks(reader, tasks, self.threads)
         return data
@@ -74,7 +88,9 @@ class CheckpointReader:
         def fetch(blob_id: str) -> bytes:
             extent = self.manifest.blobs.get(blob_id)
             if extent is None:
-                raise CheckpointError(f"{self._where}: blob {blob_id!r} is referenced but not listed")
+                raise CheckpointError(
+                    f"{self._where}: blob {blob_id!r} is referenced but not listed"
+                )
             return reader.read_extent(extent, f"blob {blob_id!r}")
 
         return fetch
@@ -83,14 +99,18 @@ class CheckpointReader:
         try:
             entry = self.manifest.objects[unique_key]
         except KeyError:
-            raise MissingKeyError(f"{self.path}: no object {unique_key!r} in the checkpoint") from None
+            raise MissingKeyError(
+                f"{self.path}: no object {unique_key!r} in the checkpoint"
+            ) from None
         with DataReader(self.storage, self.manifest.block_bytes) as reader:
             return decode(entry.value, self._fetch(reader), f"{self._where}: object {unique_key!r}")
 
     def common(self) -> Any:
         """The common (non-sharded) state saved by the coordinator."""
         with DataReader(self.storage, self.manifest.block_bytes) as reader:
-            value = decode(self.manifest.common, self._fetch(reader), f"{self._where}: common state")
+            value = decode(
+                self.manifest.common, self._fetch(reader), f"{self._where}: common state"
+            )
         return value if value is not None else {}
 
     # -- integrity ------------------------------------------------------------------------
@@ -111,7 +131,9 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_manifest(manifest: Manifest, storage: Any, progress: Callable[[int], None] | None = None) -> VerifyReport:
+def verify_manifest(
+    manifest: Manifest, storage: Any, progress: Callable[[int], None] | None = None
+) -> VerifyReport:
     report = VerifyReport(tensors=len(manifest.tensors), objects=len(manifest.objects))
     for name, entry in manifest.files.items():
         try:
@@ -120,12 +142,16 @@ def verify_manifest(manifest: Manifest, storage: Any, progress: Callable[[int], 
             report.problems.append(f"{name}: missing")
             continue
         if size < entry.nbytes:
-            report.problems.append(f"{name}: {size} bytes, the manifest expects {entry.nbytes} (truncated)")
+            report.problems.append(
+                f"{name}: {size} bytes, the manifest expects {entry.nbytes} (truncated)"
+            )
     for key, tensor in manifest.tensors.items():
         boxes = [b for p in tensor.pieces for _, b in p.boxes()]
         overlap = find_overlap(boxes)
         if overlap is not None:
-            report.problems.append(f"tensor {key!r}: stored pieces overlap ({boxes[overlap[0]]} and {boxes[overlap[1]]})")
+            report.problems.append(
+                f"tensor {key!r}: stored pieces overlap ({boxes[overlap[0]]} and {boxes[overlap[1]]})"
+            )
         covered = sum(b.numel for b in boxes)
         if covered != math.prod(tensor.shape):
             hole = first_uncovered(tensor.shape, boxes)
@@ -159,7 +185,9 @@ def load_metadata(path: str | os.PathLike[str]) -> dict[str, ShardedTensor | Sha
     for key, t in manifest.tensors.items():
         dtype = dtype_from_name(t.dtype, where)
         shape = tuple(t.shape)
-        out[key] = ShardedTensor(key, None, dtype, shape, shape, (0,) * len(shape), (1,) * len(shape))
+        out[key] = ShardedTensor(
+            key, None, dtype, shape, shape, (0,) * len(shape), (1,) * len(shape)
+        )
     for ukey, o in manifest.objects.items():
         out[ukey] = ShardedObject(o.key, None, o.global_shape, o.global_offset)
     return out

@@ -1,29 +1,30 @@
-"""``save``: plan globally, write this rank's pieces, commit atomically.
+"""The steps of one save, shared by the blocking and the asynchronous paths.
 
-1. Every rank describes its pieces; the coordinator validates the union and picks one
-   writer per unique piece (balanced by bytes over the replicas); errors reach every rank.
-2. Each rank writes its assigned pieces (and the objects it owns; the coordinator also the
-   common state) into a temporary directory beside the target.
-3. The coordinator writes ``manifest.json`` last, fsyncs, and renames the directory into
-   place. Until then nothing at ``path`` looks like a checkpoint.
+1. :func:`plan_save` (collective): every rank describes its pieces; the coordinator
+   validates the union and picks one writer per unique piece (balanced by bytes over the
+   replicas). A cached plan is reused when every rank's full local structure is unchanged,
+   agreed with one tiny all-gather. Errors of any rank reach every rank.
+2. :func:`write_share`: a rank writes its assigned pieces (and the objects it owns; the
+   coordinator also the common state) into a temporary directory beside the target.
+3. :func:`finalize` (coordinator): assemble ``manifest.json``, write it last, fsync and
+   rename the directory into place. Until then nothing at ``path`` looks like a checkpoint.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from . import __version__
-from .checksum import DEFAULT_BLOCK_BYTES
-from .codec import encode, tensor_bytes
-from .dist import Comm, error_record, get_comm, outcome, raise_for
+from .codec import encode
+from .dist import Comm, error_record, outcome, raise_for
 from .dtypes import dtype_name
 from .engine import split_balanced, write_data_file
 from .errors import CheckpointExistsError, ValidationError
@@ -37,36 +38,57 @@ from .format import (
     TensorEntry,
     data_file_name,
 )
-from .location import Location, locate
+from .location import Location
 from .planning import GlobalPlan, LocalPlan, ObjectDesc, PieceDesc, RankAssignment, make_global_plan
-from .sharding import ShardedObject, ShardedTensor, SplitStateDict, apply_factories, is_main_replica, split_state_dict
+from .sharding import (
+    ShardedObject,
+    ShardedTensor,
+    SplitStateDict,
+    apply_factories,
+    is_main_replica,
+    split_state_dict,
+)
 
-log = logging.getLogger("shardsafe")
+CoordinatorPlan = tuple[list[LocalPlan], GlobalPlan]
 
 
 @dataclass
 class SaveStats:
-    """What one save did, on this rank (``total_bytes`` is the whole checkpoint's)."""
+    """What one save did. ``bytes_written`` is this rank's share, ``total_bytes`` the checkpoint's."""
 
     path: str
     bytes_written: int = 0
     total_bytes: int = 0
     seconds: float = 0.0
     seconds_planning: float = 0.0
+    seconds_blocked: float = 0.0
     seconds_writing: float = 0.0
+    plan_cached: bool = False
     files: list[str] = field(default_factory=list)
 
 
 def piece_desc(st: ShardedTensor) -> PieceDesc:
     box = st.chunk_box
     return PieceDesc(
-        st.key, dtype_name(st.dtype), st.global_shape, box.offset, box.shape, st.flat_bounds,
-        is_main_replica(st.replica_id), st.numel * st.dtype.itemsize,
+        st.key,
+        dtype_name(st.dtype),
+        st.global_shape,
+        box.offset,
+        box.shape,
+        st.flat_bounds,
+        is_main_replica(st.replica_id),
+        st.numel * st.dtype.itemsize,
     )
 
 
 def object_desc(obj: ShardedObject) -> ObjectDesc:
-    return ObjectDesc(obj.unique_key, obj.key, obj.global_shape, obj.global_offset, is_main_replica(obj.replica_id))
+    return ObjectDesc(
+        obj.unique_key,
+        obj.key,
+        obj.global_shape,
+        obj.global_offset,
+        is_main_replica(obj.replica_id),
+    )
 
 
 def prepare(sharded_state_dict: Any, rank: int) -> tuple[SplitStateDict, LocalPlan]:
@@ -75,73 +97,114 @@ def prepare(sharded_state_dict: Any, rank: int) -> tuple[SplitStateDict, LocalPl
     for _, st in split.tensors:
         if st.data is None:
             raise ValidationError(f"{st.key!r}: a ShardedTensor without data cannot be saved")
-    plan = LocalPlan(rank, tuple(piece_desc(st) for _, st in split.tensors), tuple(object_desc(o) for _, o in split.objects))
+        st.validate_metadata_integrity()
+    plan = LocalPlan(
+        rank,
+        tuple(piece_desc(st) for _, st in split.tensors),
+        tuple(object_desc(o) for _, o in split.objects),
+    )
     return split, plan
 
 
-def save(
-    sharded_state_dict: Any,
-    path: str | os.PathLike[str],
-    *,
-    process_group: Any = None,
-    overwrite: bool = False,
-    content_metadata: Mapping[str, Any] | None = None,
-    files_per_rank: int = 1,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-) -> SaveStats:
-    """Save a sharded state dict from every rank of ``process_group`` into the directory ``path``.
+# --------------------------------------------------------------------------- planning
 
-    All ranks must call it. Returns when the checkpoint is committed (or raises the same
-    :class:`CheckpointError` on every rank). ``content_metadata`` is stored in the manifest
-    and read back by :func:`load_content_metadata` without loading tensors.
-    """
-    comm = get_comm(process_group)
-    loc = locate(path)
-    t0 = time.perf_counter()
-    stats = SaveStats(loc.url)
 
+@dataclass
+class _CacheEntry:
+    structure: str
+    plan_id: str
+    assignment: RankAssignment
+    coordinator_plan: CoordinatorPlan | None
+
+
+@dataclass
+class PlanCache:
+    """The last global plan, reused while every rank's local structure is unchanged."""
+
+    entry: _CacheEntry | None = None
+    hits: int = 0
+    misses: int = 0
+
+
+@dataclass
+class PlannedSave:
+    loc: Location
+    token: str
+    split: SplitStateDict
+    local_plan: LocalPlan
+    assignment: RankAssignment
+    coordinator_plan: CoordinatorPlan | None
+    cached: bool
+
+
+def plan_save(
+    comm: Comm, sharded_state_dict: Any, loc: Location, overwrite: bool, cache: PlanCache | None
+) -> PlannedSave:
+    """Collective: validate and plan (or reuse the cached plan); raise the same error everywhere."""
     prepared, err = outcome(lambda: prepare(sharded_state_dict, comm.rank))
-    token = uuid.uuid4().hex[:12]
+    structure = (
+        f"{comm.world_size}/{comm.rank}/{prepared[1].structure_hash()}" if prepared else None
+    )
+    candidate = (
+        cache.entry.plan_id
+        if cache and cache.entry and cache.entry.structure == structure
+        else None
+    )
+    token = uuid.uuid4().hex[:16]
+    began = False
     if comm.is_coordinator and err is None:
-        _, err = outcome(lambda: _begin(loc, token, overwrite))
-    gathered = comm.gather({"plan": prepared[1].to_json() if prepared else None, "error": err})
-    replies: list[Any] | None = None
-    global_plan: tuple[list[LocalPlan], GlobalPlan] | None = None
-    if gathered is not None:
-        replies, global_plan = _plan_replies(gathered, token)
-        if any(r.get("errors") for r in replies) and err is None:
-            _abort(loc, token)
-    reply = comm.scatter(replies)
-    raise_for(reply.get("errors") or [], "save planning")
+        _, err = outcome(lambda: begin(loc, token, overwrite))
+        began = err is None
+    votes = comm.all_gather(
+        {"cached": candidate, "error": err, "token": token if comm.is_coordinator else None}
+    )
+    errors = [v["error"] for v in votes]
+    if any(errors):
+        if began:
+            abort(loc, token)
+        raise_for(errors, "save planning")
+    token = votes[0]["token"]
     assert prepared is not None
     split, local_plan = prepared
-    assignment = RankAssignment.from_json(reply["assignment"])
-    token = reply["token"]
-    stats.seconds_planning = time.perf_counter() - t0
+    if candidate is not None and all(v["cached"] == candidate for v in votes):
+        assert cache is not None and cache.entry is not None
+        cache.hits += 1
+        return PlannedSave(
+            loc,
+            token,
+            split,
+            local_plan,
+            cache.entry.assignment,
+            cache.entry.coordinator_plan,
+            True,
+        )
 
-    t1 = time.perf_counter()
-    result, err = outcome(lambda: _write_rank(loc, token, comm, split, local_plan, assignment, files_per_rank, block_bytes))
-    stats.seconds_writing = time.perf_counter() - t1
-    gathered = comm.gather({"result": result, "error": err})
-    status: dict[str, Any] = {}
+    gathered = comm.gather(local_plan.to_json())
+    replies: list[Any] | None = None
+    coordinator_plan: CoordinatorPlan | None = None
     if gathered is not None:
-        assert global_plan is not None
-        status = _finish(loc, token, global_plan, gathered, overwrite, content_metadata, block_bytes)
-    status = comm.broadcast(status)
-    raise_for(status.get("errors") or [], "save")
-    if result:
-        stats.bytes_written = sum(result["files"].values())
-        stats.files = sorted(result["files"])
-    stats.total_bytes = int(status.get("total_bytes", 0))
-    stats.seconds = time.perf_counter() - t0
-    if comm.is_coordinator:
-        gbps = stats.total_bytes / max(stats.seconds, 1e-9) / 1e9
-        log.info("saved %s: %d bytes in %.3f s (%.2f GB/s; planning %.3f s)", loc.url, stats.total_bytes, stats.seconds, gbps, stats.seconds_planning)
-    return stats
+        try:
+            plans = [LocalPlan.from_json(g) for g in gathered]
+            plan = make_global_plan(plans)
+            coordinator_plan = (plans, plan)
+            replies = [
+                {"assignment": plan.assignments[r].to_json(), "plan_id": token}
+                for r in range(len(plans))
+            ]
+        except Exception as e:
+            abort(loc, token)
+            replies = [{"errors": [error_record(e)] * len(gathered)}] * len(gathered)
+    reply = comm.scatter(replies)
+    raise_for(reply.get("errors") or [], "save planning")
+    assignment = RankAssignment.from_json(reply["assignment"])
+    if cache is not None and structure is not None:
+        cache.misses += 1
+        cache.entry = _CacheEntry(structure, reply["plan_id"], assignment, coordinator_plan)
+    return PlannedSave(loc, token, split, local_plan, assignment, coordinator_plan, False)
 
 
-def _begin(loc: Location, token: str, overwrite: bool) -> None:
-    """Coordinator: refuse an existing target or a concurrent save; create the temporary directory."""
+def begin(loc: Location, token: str, overwrite: bool) -> None:
+    """Coordinator: refuse an existing target or a concurrent save; create the work directory."""
     parent = loc.parent
     if parent.exists(loc.name) and not overwrite:
         raise CheckpointExistsError(
@@ -152,11 +215,16 @@ def _begin(loc: Location, token: str, overwrite: bool) -> None:
             f"another save into {loc.url} is running (lock {parent.describe(loc.lock_name)}); "
             "if no save is running, delete that lock file and retry"
         )
-    work = loc.tmp_name(token) if parent.atomic_rename else loc.name
+    work = work_dir(loc, token)
     if not parent.atomic_rename and parent.exists(loc.join(MANIFEST_NAME)):
-        parent.remove_tree(loc.join(MANIFEST_NAME))  # object store overwrite: uncommit first
+        parent.remove_tree(loc.join(MANIFEST_NAME))  # object-store overwrite: uncommit first
     parent.make_dir(work)
     parent.make_dir(f"{work}/data")
+
+
+def work_dir(loc: Location, token: str) -> str:
+    """Where the ranks write: a hidden sibling (renamed at commit), or the target on object stores."""
+    return loc.tmp_name(token) if loc.parent.atomic_rename else loc.name
 
 
 def take_lock(loc: Location) -> bool:
@@ -185,102 +253,143 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _plan_replies(gathered: list[Any], token: str) -> tuple[list[dict[str, Any]], tuple[list[LocalPlan], GlobalPlan] | None]:
-    errors = [g["error"] for g in gathered]
-    world = len(gathered)
-    if any(errors):
-        return [{"errors": errors}] * world, None
-    try:
-        plans = [LocalPlan.from_json(g["plan"]) for g in gathered]
-        plan = make_global_plan(plans)
-    except Exception as e:
-        return [{"errors": [error_record(e)] * world}] * world, None
-    return [{"assignment": plan.assignments[r].to_json(), "token": token} for r in range(world)], (plans, plan)
+# --------------------------------------------------------------------------- writing
 
 
-def _write_rank(
-    loc: Location,
-    token: str,
-    comm: Comm,
-    split: SplitStateDict,
-    plan: LocalPlan,
-    assignment: RankAssignment,
+@dataclass
+class ShareItems:
+    """Everything one rank writes: (identity, bytes) items plus the encoded objects/common state."""
+
+    items: list[tuple[Any, Any]]
+    objects: dict[int, Any]
+    common: Any
+
+
+def encode_share(
+    planned: PlannedSave, rank: int, coordinator: bool, copy_blobs: bool
+) -> ShareItems:
+    """The blobs and encoded nodes of the objects this rank writes (and the common state)."""
+    items: list[tuple[Any, Any]] = []
+    objects: dict[int, Any] = {}
+    for j in planned.assignment.objects:
+        enc = encode(planned.split.objects[j][1].data, f"r{rank}.o{j}.")
+        objects[j] = enc.node
+        items.extend(
+            (("b", bid), bytes(data) if copy_blobs else data) for bid, data in enc.blobs.items()
+        )
+    common = None
+    if coordinator:
+        enc = encode(planned.split.common, "c.")
+        common = enc.node
+        items.extend(
+            (("b", bid), bytes(data) if copy_blobs else data) for bid, data in enc.blobs.items()
+        )
+    return ShareItems(items, objects, common)
+
+
+def _nbytes(data: Any) -> int:
+    if isinstance(data, memoryview):
+        return data.nbytes
+    if hasattr(data, "data") and isinstance(getattr(data, "data", None), memoryview):
+        return int(data.data.nbytes)
+    return len(data)
+
+
+def write_share(
+    planned: PlannedSave,
+    rank: int,
+    share: ShareItems,
     files_per_rank: int,
     block_bytes: int,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Write this rank's share; return the extents the coordinator needs for the manifest."""
-    items: list[tuple[Any, Any]] = []
-    for i in assignment.pieces:
-        st = split.tensors[i][1]
-        assert st.data is not None
-        items.append((("p", i), tensor_bytes(st.data)))
-    objects: dict[int, Any] = {}
-    for j in assignment.objects:
-        enc = encode(split.objects[j][1].data, f"r{comm.rank}.o{j}.")
-        objects[j] = enc.node
-        items.extend((("b", bid), data) for bid, data in enc.blobs.items())
-    common = None
-    if comm.is_coordinator:
-        enc = encode(split.common, "c.")
-        common = enc.node
-        items.extend((("b", bid), data) for bid, data in enc.blobs.items())
-    work = loc.tmp_name(token) if loc.parent.atomic_rename else loc.name
-    sizes = [len(memoryview(d).cast("B")) if isinstance(d, memoryview) else len(d) for _, d in items]
-    groups = split_balanced(sizes, files_per_rank) if items else []
+    """Write this rank's items into its data files (in parallel); return the extents for the manifest."""
+    work = work_dir(planned.loc, planned.token)
+    items = share.items
+    groups = split_balanced([_nbytes(d) for _, d in items], files_per_rank) if items else []
+
+    def one(index: int, group: Sequence[int]) -> tuple[str, dict[Any, Extent], int]:
+        name = data_file_name(rank, index)
+        resolved = [(items[i][0], _resolve(items[i][1])) for i in group]
+        ext, size = write_data_file(
+            planned.loc.parent, f"{work}/{name}", resolved, block_bytes, on_bytes
+        )
+        return (
+            name,
+            {k: Extent(name, e.byte_offset, e.nbytes, e.checksums) for k, e in ext.items()},
+            size,
+        )
+
+    if len(groups) > 1:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="shardsafe-write") as pool:
+            done = list(pool.map(lambda ig: one(*ig), enumerate(groups)))
+    else:
+        done = [one(i, g) for i, g in enumerate(groups)]
     extents: dict[Any, Extent] = {}
     files: dict[str, int] = {}
-    for index, group in enumerate(groups):
-        name = data_file_name(comm.rank, index)
-        ext, size = write_data_file(loc.parent, f"{work}/{name}", [items[i] for i in group], block_bytes)
-        # extents name the file relative to the checkpoint, not the work directory
-        extents.update({k: Extent(name, e.byte_offset, e.nbytes, e.checksums) for k, e in ext.items()})
+    for name, ext, size in done:
+        extents.update(ext)
         files[name] = size
     return {
-        "pieces": {str(i): extents[("p", i)].to_json() for i in assignment.pieces},
+        "pieces": {str(i): extents[("p", i)].to_json() for i in planned.assignment.pieces},
         "blobs": {bid: e.to_json() for (kind, bid), e in extents.items() if kind == "b"},
-        "objects": {str(j): node for j, node in objects.items()},
+        "objects": {str(j): node for j, node in share.objects.items()},
         "files": files,
-        "common": common,
+        "common": share.common,
     }
 
 
-def _abort(loc: Location, token: str) -> None:
+def _resolve(data: Any) -> Any:
+    """Staged items wait for their device-to-host copy here, in the writer."""
+    ready = getattr(data, "ready", None)
+    return ready() if callable(ready) else data
+
+
+# --------------------------------------------------------------------------- commit
+
+
+def abort(loc: Location, token: str) -> None:
+    """Remove what an unsuccessful save wrote, and its lock."""
     if loc.parent.atomic_rename:
         loc.parent.remove_tree(loc.tmp_name(token))
+    else:
+        loc.parent.remove_tree(loc.name) if not loc.parent.exists(loc.join(MANIFEST_NAME)) else None
     loc.parent.remove_tree(loc.lock_name)
 
 
-def _finish(
-    loc: Location,
-    token: str,
-    global_plan: tuple[list[LocalPlan], GlobalPlan],
-    gathered: list[Any],
+def finalize(
+    planned: PlannedSave,
+    records: list[dict[str, Any]],
     overwrite: bool,
     content_metadata: Mapping[str, Any] | None,
     block_bytes: int,
 ) -> dict[str, Any]:
-    """Coordinator: assemble the manifest from every rank's results and commit, or clean up."""
-    errors = [g["error"] for g in gathered]
+    """Coordinator: assemble the manifest from every rank's record and commit, or clean up."""
+    loc, token = planned.loc, planned.token
+    errors = [r.get("error") for r in records]
     if any(errors):
-        _abort(loc, token)
+        abort(loc, token)
         return {"errors": errors}
     try:
-        manifest = _assemble(global_plan, [g["result"] for g in gathered], content_metadata, block_bytes)
-        _commit(loc, token, manifest, overwrite)
+        assert planned.coordinator_plan is not None
+        manifest = assemble(
+            planned.coordinator_plan, [r["result"] for r in records], content_metadata, block_bytes
+        )
+        commit(loc, token, manifest, overwrite)
     except Exception as e:
-        _abort(loc, token)
-        return {"errors": [error_record(e)] * len(gathered)}
+        abort(loc, token)
+        return {"errors": [error_record(e)] * len(records)}
     loc.parent.remove_tree(loc.lock_name)
     return {"total_bytes": manifest.total_bytes}
 
 
-def _assemble(
-    global_plan: tuple[list[LocalPlan], GlobalPlan],
+def assemble(
+    coordinator_plan: CoordinatorPlan,
     results: list[dict[str, Any]],
     content_metadata: Mapping[str, Any] | None,
     block_bytes: int,
 ) -> Manifest:
-    plans, plan = global_plan
+    plans, plan = coordinator_plan
     pieces: dict[str, list[StoredPiece]] = {key: [] for key in plan.tensors}
     objects: dict[str, ObjectEntry] = {}
     blobs: dict[str, Extent] = {}
@@ -295,7 +404,9 @@ def _assemble(
         blobs.update({bid: _extent(e) for bid, e in res["blobs"].items()})
         files.update({name: FileEntry(size, rank) for name, size in res["files"].items()})
     tensors = {
-        key: TensorEntry(dtype, shape, tuple(sorted(pieces[key], key=lambda p: (p.offset, p.flat or (0, 0)))))
+        key: TensorEntry(
+            dtype, shape, tuple(sorted(pieces[key], key=lambda p: (p.offset, p.flat or (0, 0))))
+        )
         for key, (dtype, shape) in sorted(plan.tensors.items())
     }
     return Manifest(
@@ -306,9 +417,11 @@ def _assemble(
         objects=dict(sorted(objects.items())),
         blobs=blobs,
         common=results[0]["common"],
-        created=now_iso(),
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         library_version=__version__,
-        user_metadata={"content_metadata": dict(content_metadata)} if content_metadata is not None else {},
+        user_metadata={"content_metadata": dict(content_metadata)}
+        if content_metadata is not None
+        else {},
     )
 
 
@@ -316,28 +429,24 @@ def _extent(obj: dict[str, Any]) -> Extent:
     return Extent(obj["file"], obj["byte_offset"], obj["nbytes"], tuple(obj["checksums"]))
 
 
-def _commit(loc: Location, token: str, manifest: Manifest, overwrite: bool) -> None:
+def commit(loc: Location, token: str, manifest: Manifest, overwrite: bool) -> None:
+    """Write the manifest last; on file systems, fsync and rename the work directory into place."""
     parent = loc.parent
-    work = loc.tmp_name(token) if parent.atomic_rename else loc.name
+    work = work_dir(loc, token)
     parent.write_bytes(f"{work}/{MANIFEST_NAME}", manifest.dumps())
     if not parent.atomic_rename:
-        return  # the manifest, written last, is the commit
+        return  # on object stores the manifest, written last, is the commit
     parent.sync_dir(f"{work}/data")
     parent.sync_dir(work)
     old = None
     if parent.exists(loc.name):
         if not overwrite:
-            raise CheckpointExistsError(f"{loc.url} appeared while saving; pass overwrite=True to replace it")
+            raise CheckpointExistsError(
+                f"{loc.url} appeared while saving; pass overwrite=True to replace it"
+            )
         old = loc.old_name(token)
         parent.rename(loc.name, old)
     parent.rename(work, loc.name)
     parent.sync_dir("")
     if old is not None:
         parent.remove_tree(old)
-
-
-def now_iso() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-__all__ = ["SaveStats", "save"]

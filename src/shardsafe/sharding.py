@@ -84,8 +84,16 @@ class ShardedTensor:
             )
         offset, shape, fragments = _place(key, tuple(data.shape), rank_offsets, prepend_axis_num)
         return cls(
-            key, data, data.dtype, tuple(data.shape), shape, offset, fragments,
-            replica_id, prepend_axis_num, allow_shape_mismatch,
+            key,
+            data,
+            data.dtype,
+            tuple(data.shape),
+            shape,
+            offset,
+            fragments,
+            replica_id,
+            prepend_axis_num,
+            allow_shape_mismatch,
         )
 
     @classmethod
@@ -104,8 +112,17 @@ class ShardedTensor:
         local = tuple(int(s) for s in non_flat_local_shape)
         offset, shape, fragments = _place(key, local, rank_offsets, prepend_axis_num)
         return cls(
-            key, data, data.dtype, local, shape, offset, fragments,
-            replica_id, prepend_axis_num, allow_shape_mismatch, flattened_range,
+            key,
+            data,
+            data.dtype,
+            local,
+            shape,
+            offset,
+            fragments,
+            replica_id,
+            prepend_axis_num,
+            allow_shape_mismatch,
+            flattened_range,
         )
 
     @classmethod
@@ -127,8 +144,17 @@ class ShardedTensor:
                 raise ValueError(f"{key}: a flattened_range needs the non-flat local_shape")
             local_shape = tuple(data.shape)
         return cls(
-            key, data, data.dtype, tuple(local_shape), tuple(global_shape), tuple(global_offset),
-            None, replica_id, 0, allow_shape_mismatch, flattened_range,
+            key,
+            data,
+            data.dtype,
+            tuple(local_shape),
+            tuple(global_shape),
+            tuple(global_offset),
+            None,
+            replica_id,
+            0,
+            allow_shape_mismatch,
+            flattened_range,
         )
 
     # -- geometry ---------------------------------------------------------------------------
@@ -149,7 +175,10 @@ class ShardedTensor:
         if self.flattened_range is None:
             return [(0, chunk)]
         start, stop = self.flat_bounds or (0, 0)
-        return [(pos, box.shifted(chunk.offset)) for pos, box in flat_range_to_boxes(chunk.shape, start, stop)]
+        return [
+            (pos, box.shifted(chunk.offset))
+            for pos, box in flat_range_to_boxes(chunk.shape, start, stop)
+        ]
 
     @property
     def numel(self) -> int:
@@ -170,7 +199,9 @@ class ShardedTensor:
                 f"{len(self.local_shape) + self.prepend_axis_num} axes"
             )
         if len(self.global_offset) != len(self.global_shape):
-            raise ValidationError(f"{k}: global_offset {self.global_offset} and global_shape {self.global_shape} differ in rank")
+            raise ValidationError(
+                f"{k}: global_offset {self.global_offset} and global_shape {self.global_shape} differ in rank"
+            )
         if not self.chunk_box.within(self.global_shape):
             raise ValidationError(
                 f"{k}: the piece at offset {self.global_offset} of shape {self.chunk_box.shape} "
@@ -178,7 +209,11 @@ class ShardedTensor:
             )
         if self.flattened_range is not None:
             fr = self.flattened_range
-            if fr.step not in (None, 1) or fr.stop is None or not 0 <= (fr.start or 0) <= fr.stop <= math.prod(self.local_shape):
+            if (
+                fr.step not in (None, 1)
+                or fr.stop is None
+                or not 0 <= (fr.start or 0) <= fr.stop <= math.prod(self.local_shape)
+            ):
                 raise ValidationError(
                     f"{k}: flattened_range {fr} must be a step-1 slice inside the {math.prod(self.local_shape)} "
                     f"elements of local shape {self.local_shape}"
@@ -186,9 +221,13 @@ class ShardedTensor:
         if self.data is None:
             return
         if not isinstance(self.data, torch.Tensor):
-            raise ValidationError(f"{k}: data must be a torch.Tensor or None, got {type(self.data).__name__}")
+            raise ValidationError(
+                f"{k}: data must be a torch.Tensor or None, got {type(self.data).__name__}"
+            )
         if self.data.dtype != self.dtype:
-            raise ValidationError(f"{k}: data dtype {self.data.dtype} differs from the declared dtype {self.dtype}")
+            raise ValidationError(
+                f"{k}: data dtype {self.data.dtype} differs from the declared dtype {self.dtype}"
+            )
         if self.flattened_range is not None:
             if self.data.ndim != 1 or self.data.numel() != self.numel:
                 raise ValidationError(
@@ -196,7 +235,9 @@ class ShardedTensor:
                     f"{self.flattened_range}), got shape {tuple(self.data.shape)}"
                 )
         elif tuple(self.data.shape) != self.local_shape:
-            raise ValidationError(f"{k}: data shape {tuple(self.data.shape)} differs from local_shape {self.local_shape}")
+            raise ValidationError(
+                f"{k}: data shape {tuple(self.data.shape)} differs from local_shape {self.local_shape}"
+            )
 
 
 def _place(
@@ -209,10 +250,14 @@ def _place(
     seen: set[int] = set()
     for item in rank_offsets:
         if len(item) != 3:
-            raise ValidationError(f"{key}: a rank offset is (axis, rank_on_axis, fragments_on_axis), got {item!r}")
+            raise ValidationError(
+                f"{key}: a rank offset is (axis, rank_on_axis, fragments_on_axis), got {item!r}"
+            )
         axis, rank, fragm = (int(x) for x in item)
         if not 0 <= axis < ndim or axis in seen:
-            raise ValidationError(f"{key}: rank offset axis {axis} is out of range or repeated (tensor has {ndim} axes)")
+            raise ValidationError(
+                f"{key}: rank offset axis {axis} is out of range or repeated (tensor has {ndim} axes)"
+            )
         if not 0 <= rank < fragm:
             raise ValidationError(f"{key}: rank {rank} on axis {axis} must lie in [0, {fragm})")
         seen.add(axis)
@@ -370,7 +415,9 @@ def set_at(tree: Any, path: Path, value: Any) -> Any:
         tree = list(tree or [])
         while len(tree) <= head:
             tree.append(None)
-        tree[head] = set_at(tree[head] if not isinstance(tree[head], _Placeholder) else None, rest, value)
+        tree[head] = set_at(
+            tree[head] if not isinstance(tree[head], _Placeholder) else None, rest, value
+        )
         return tree
     if not isinstance(tree, dict):
         tree = {}

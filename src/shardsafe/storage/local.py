@@ -131,5 +131,7 @@ def read_fd_into(fd: int, offset: int, out: memoryview, name: str) -> None:
     while done < total:
         n = os.preadv(fd, [out[done:]], offset + done)
         if n == 0:
-            raise EOFError(f"{name}: wanted {total} bytes at offset {offset}, file ends after {done}")
+            raise EOFError(
+                f"{name}: wanted {total} bytes at offset {offset}, file ends after {done}"
+            )
         done += n

@@ -1,0 +1,412 @@
+"""``save`` and ``async_save``, and the :class:`Saver` that keeps their reusable state.
+
+A Saver holds what repeated saves reuse: the cached global plan, the host staging arenas
+and the one background writer thread. ``shardsafe.save``/``async_save`` use one Saver per
+process group (``default_saver``); make your own to control its lifetime.
+
+What ``async_save`` blocks on: planning (one tiny all-gather when the plan is cached), and
+the copy of this rank's share into host memory. Writing, checksums, fsync and the commit
+run in the background; the commit is signalled through the process group's store, so the
+training loop never has to call anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, cast
+
+import torch
+
+from .checksum import DEFAULT_BLOCK_BYTES
+from .codec import tensor_bytes
+from .dist import Comm, get_comm, outcome, raise_for
+from .errors import CheckpointError
+from .location import locate
+from .saving import (
+    PlanCache,
+    PlannedSave,
+    SaveStats,
+    ShareItems,
+    encode_share,
+    finalize,
+    plan_save,
+    write_share,
+)
+from .sharding import ShardedTensor
+from .signals import StoreChannel
+from .staging import StagingPool
+
+log = logging.getLogger("shardsafe")
+
+ProgressFn = Callable[[str, int, int], None]
+"""``progress(stage, done_bytes, total_bytes)`` with stage ``"staged"``, ``"written"`` or ``"committed"``."""
+
+
+class AsyncSaveHandle:
+    """The outcome of an ``async_save``: ``result(timeout)``, ``done()``, ``add_done_callback(fn)``."""
+
+    def __init__(self, future: Future[SaveStats], path: str, seconds_blocked: float) -> None:
+        self._future = future
+        self.path = path
+        self.seconds_blocked = seconds_blocked
+        self.observed = False  # set once the caller has seen the outcome
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveStats:
+        """Wait for the commit; raise the save's :class:`CheckpointError` (the same on every rank)."""
+        try:
+            stats = self._future.result(timeout)
+            self.observed = True
+            return stats
+        except FutureTimeout:
+            raise TimeoutError(
+                f"async save into {self.path} still running after {timeout} s"
+            ) from None
+        except BaseException:
+            self.observed = True
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc = self._future.exception(timeout)
+        self.observed = True
+        return exc
+
+    def add_done_callback(self, fn: Callable[[AsyncSaveHandle], Any]) -> None:
+        self._future.add_done_callback(lambda _: fn(self))
+
+
+class Saver:
+    """Saves from one process group, reusing the plan, staging memory and writer thread."""
+
+    def __init__(
+        self,
+        process_group: Any = None,
+        *,
+        files_per_rank: int = 2,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        commit_timeout: float = 1800.0,
+        cache_plan: bool = True,
+    ) -> None:
+        self.process_group = process_group
+        self.files_per_rank = files_per_rank
+        self.block_bytes = block_bytes
+        self.commit_timeout = commit_timeout
+        self.plan_cache = PlanCache() if cache_plan else None
+        self.staging = StagingPool()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-save")
+        self._inflight: AsyncSaveHandle | None = None
+        self._lock = threading.Lock()
+
+    # -- blocking save -----------------------------------------------------------------------
+    def save(
+        self,
+        sharded_state_dict: Any,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        content_metadata: Mapping[str, Any] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> SaveStats:
+        """Save and return when committed; writes straight from the tensors (no staging copy)."""
+        self._settle_previous()
+        comm = get_comm(self.process_group)
+        t0 = time.perf_counter()
+        planned = plan_save(comm, sharded_state_dict, locate(path), overwrite, self.plan_cache)
+        t_plan = time.perf_counter() - t0
+
+        def share() -> ShareItems:
+            s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=False)
+            s.items[:0] = [
+                (("p", i), tensor_bytes(_data(planned.split.tensors[i][1]))) for i in planned.assignment.pieces
+            ]
+            return s
+
+        t1 = time.perf_counter()
+        result, err = outcome(
+            lambda: write_share(
+                planned,
+                comm.rank,
+                share(),
+                self.files_per_rank,
+                self.block_bytes,
+                _counter(progress, "written"),
+            )
+        )
+        t_write = time.perf_counter() - t1
+        gathered = comm.gather({"result": result, "error": err})
+        status = (
+            finalize(planned, gathered, overwrite, content_metadata, self.block_bytes)
+            if gathered is not None
+            else {}
+        )
+        status = comm.broadcast(status)
+        raise_for(status.get("errors") or [], "save")
+        stats = _stats(planned, result, status, t0, t_plan, t_write)
+        stats.seconds_blocked = stats.seconds
+        _log_done(comm, stats, progress)
+        return stats
+
+    # -- asynchronous save -------------------------------------------------------------------
+    def async_save(
+        self,
+        sharded_state_dict: Any,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        content_metadata: Mapping[str, Any] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> AsyncSaveHandle:
+        """Plan and stage, then return; writing and the commit continue in the background.
+
+        A save still in flight is waited for first (its staging buffers are reused).
+        """
+        self._settle_previous()
+        comm = get_comm(self.process_group)
+        t0 = time.perf_counter()
+        planned = plan_save(comm, sharded_state_dict, locate(path), overwrite, self.plan_cache)
+        t_plan = time.perf_counter() - t0
+
+        def stage() -> ShareItems:
+            s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=True)
+            tensors = [_data(planned.split.tensors[i][1]) for i in planned.assignment.pieces]
+            staged = self.staging.stage(tensors)
+            s.items[:0] = [
+                (("p", i), item) for i, item in zip(planned.assignment.pieces, staged, strict=True)
+            ]
+            return s
+
+        share, err = outcome(stage)
+        channel = StoreChannel(comm, planned.token) if comm.distributed else None
+        blocked = time.perf_counter() - t0
+        staged_bytes = sum(planned.local_plan.pieces[i].nbytes for i in planned.assignment.pieces)
+        if progress is not None:
+            progress("staged", staged_bytes, staged_bytes)
+        log.debug(
+            "rank %d staged %d bytes for %s in %.3f s",
+            comm.rank,
+            staged_bytes,
+            planned.loc.url,
+            blocked,
+        )
+
+        def background() -> SaveStats:
+            t1 = time.perf_counter()
+            result, werr = (
+                (None, err)
+                if err is not None
+                else outcome(
+                    lambda: write_share(
+                        planned,
+                        comm.rank,
+                        cast(ShareItems, share),
+                        self.files_per_rank,
+                        self.block_bytes,
+                        _counter(progress, "written"),
+                    )
+                )
+            )
+            t_write = time.perf_counter() - t1
+            record = {"result": result, "error": werr}
+            status = self._commit(comm, channel, planned, record, overwrite, content_metadata)
+            raise_for(status.get("errors") or [], "async save")
+            stats = _stats(planned, result, status, t0, t_plan, t_write)
+            stats.seconds_blocked = blocked
+            _log_done(comm, stats, progress)
+            return stats
+
+        with self._lock:
+            handle = AsyncSaveHandle(self._writer.submit(background), planned.loc.url, blocked)
+            self._inflight = handle
+        return handle
+
+    def _commit(
+        self,
+        comm: Comm,
+        channel: StoreChannel | None,
+        planned: PlannedSave,
+        record: dict[str, Any],
+        overwrite: bool,
+        content_metadata: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        if channel is None:
+            return finalize(planned, [record], overwrite, content_metadata, self.block_bytes)
+        channel.post(record)
+        if comm.is_coordinator:
+            records = channel.collect(self.commit_timeout)
+            status = finalize(planned, records, overwrite, content_metadata, self.block_bytes)
+            channel.publish(status)
+        else:
+            status = channel.await_status(self.commit_timeout + 60)
+        channel.cleanup()
+        return status
+
+    def _settle_previous(self) -> None:
+        """Wait for the save in flight; its failure stays on its handle (and in the log)."""
+        with self._lock:
+            handle, self._inflight = self._inflight, None
+        if handle is None:
+            return
+        exc = handle._future.exception()
+        if exc is not None and not handle.observed:
+            log.error("the previous async save into %s failed: %s", handle.path, exc)
+
+    def wait(self, timeout: float | None = None) -> SaveStats | None:
+        """Wait for the save in flight, if any; returns its stats, raising an error nobody has seen yet."""
+        with self._lock:
+            handle = self._inflight
+        if handle is None:
+            return None
+        try:
+            exc = handle._future.exception(timeout)
+        except FutureTimeout:
+            raise TimeoutError(
+                f"async save into {handle.path} still running after {timeout} s"
+            ) from None
+        with self._lock:
+            if self._inflight is handle:
+                self._inflight = None
+        if exc is not None:
+            if handle.observed:
+                return None
+            return handle.result()
+        return handle.result()
+
+    def close(self) -> None:
+        """Wait for the save in flight, stop the writer thread and free the staging memory."""
+        try:
+            self.wait()
+        finally:
+            self._writer.shutdown(wait=True)
+            self.staging.release()
+
+
+def _data(st: ShardedTensor) -> torch.Tensor:
+    assert st.data is not None  # checked while planning
+    return st.data
+
+
+def _counter(progress: ProgressFn | None, stage: str) -> Callable[[int], None] | None:
+    if progress is None:
+        return None
+    done = [0]
+
+    def on_bytes(n: int) -> None:
+        done[0] += n
+        progress(stage, done[0], -1)
+
+    return on_bytes
+
+
+def _stats(
+    planned: PlannedSave,
+    result: dict[str, Any] | None,
+    status: dict[str, Any],
+    t0: float,
+    t_plan: float,
+    t_write: float,
+) -> SaveStats:
+    stats = SaveStats(
+        planned.loc.url,
+        plan_cached=planned.cached,
+        seconds_planning=t_plan,
+        seconds_writing=t_write,
+    )
+    if result:
+        stats.bytes_written = sum(result["files"].values())
+        stats.files = sorted(result["files"])
+    stats.total_bytes = int(status.get("total_bytes", 0))
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _log_done(comm: Comm, stats: SaveStats, progress: ProgressFn | None) -> None:
+    if progress is not None:
+        progress("committed", stats.total_bytes, stats.total_bytes)
+    if comm.is_coordinator:
+        log.info(
+            "committed %s: %d bytes in %.3f s (%.2f GB/s), blocked %.3f s, plan %s",
+            stats.path,
+            stats.total_bytes,
+            stats.seconds,
+            stats.total_bytes / max(stats.seconds, 1e-9) / 1e9,
+            stats.seconds_blocked,
+            "cached" if stats.plan_cached else f"computed in {stats.seconds_planning:.3f} s",
+        )
+
+
+_DEFAULT: dict[Any, Saver] = {}
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_saver(process_group: Any = None) -> Saver:
+    """The Saver that ``shardsafe.save``/``async_save`` use for ``process_group`` in this process."""
+    key = process_group if process_group is not None else "default"
+    with _DEFAULT_LOCK:
+        saver = _DEFAULT.get(key)
+        if saver is None:
+            saver = _DEFAULT[key] = Saver(process_group)
+        return saver
+
+
+def save(
+    sharded_state_dict: Any,
+    path: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    overwrite: bool = False,
+    content_metadata: Mapping[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> SaveStats:
+    """Save a sharded state dict from every rank of ``process_group`` into the directory ``path``.
+
+    All ranks must call it. Returns when the checkpoint is committed, or raises the same
+    :class:`CheckpointError` on every rank; nothing appears at ``path`` unless it committed.
+    """
+    return default_saver(process_group).save(
+        sharded_state_dict,
+        path,
+        overwrite=overwrite,
+        content_metadata=content_metadata,
+        progress=progress,
+    )
+
+
+def async_save(
+    sharded_state_dict: Any,
+    path: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    overwrite: bool = False,
+    content_metadata: Mapping[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> AsyncSaveHandle:
+    """Like :func:`save`, but return once the state is copied to host memory."""
+    return default_saver(process_group).async_save(
+        sharded_state_dict,
+        path,
+        overwrite=overwrite,
+        content_metadata=content_metadata,
+        progress=progress,
+    )
+
+
+def wait_for_saves() -> None:
+    """Wait for every default Saver's save in flight (call before exiting)."""
+    with _DEFAULT_LOCK:
+        savers = list(_DEFAULT.values())
+    errors = []
+    for s in savers:
+        try:
+            s.wait()
+        except CheckpointError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
