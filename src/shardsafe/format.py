@@ -18,7 +18,7 @@ from typing import Any
 from .checksum import ALGORITHM, block_count
 from .dtypes import dtype_from_name, itemsize
 from .errors import CorruptCheckpointError
-from .geometry import Box, flat_range_to_boxes
+from .geometry import Box, find_overlap, flat_range_to_boxes
 
 FORMAT_NAME = "shardsafe"
 FORMAT_VERSION = 1
@@ -34,7 +34,7 @@ def data_file_name(rank: int, index: int) -> str:
 
 def check_file_name(name: Any, where: str = MANIFEST_NAME) -> str:
     """Refuse any data-file name that could escape the checkpoint directory."""
-    if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or ".." in name:
         raise CorruptCheckpointError(
             f"{where}: data file name {str(name)[:100]!r} is not allowed (must look like "
             "'data/rank-00000-00.bin'); the manifest is corrupt or was tampered with"
@@ -103,6 +103,22 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize(dtype_from_name(self.dtype))
+
+    def check_tiling(self, key: str, where: str) -> None:
+        """Refuse pieces that overlap or leave holes: a reader must never return unset memory."""
+        boxes = [b for p in self.pieces for _, b in p.boxes()]
+        overlap = find_overlap(boxes)
+        if overlap is not None:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r}: stored pieces overlap ({boxes[overlap[0]]} and {boxes[overlap[1]]}); "
+                "the manifest is corrupt or was tampered with"
+            )
+        covered = sum(b.numel for b in boxes)
+        if covered != math.prod(self.shape):
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r}: stored pieces cover {covered} of {math.prod(self.shape)} elements; "
+                "the manifest is corrupt or was tampered with"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -232,7 +248,7 @@ class _Parser:
                 "top level", f"format is {obj.get('format')!r}, expected {FORMAT_NAME!r}"
             )
         version = obj.get("version")
-        if version != FORMAT_VERSION:
+        if type(version) is not int or version != FORMAT_VERSION:
             raise CorruptCheckpointError(
                 f"{self.where}: format version {version!r} is not supported by this shardsafe "
                 f"(reads version {FORMAT_VERSION}); upgrade shardsafe to read it"

@@ -164,6 +164,7 @@ def _fill_tensor(
 ) -> tuple[torch.Tensor, list[ReadTask], Callable[[], None]]:
     """Destination tensor, the reads that fill it, and a finaliser to run after the reads."""
     _check_compatible(st, entry, where)
+    entry.check_tiling(st.key, where)
     shape = (st.numel,) if st.flattened_range is not None else st.local_shape
     data = st.data
     if data is None:

@@ -64,6 +64,7 @@ class CheckpointReader:
         shape, dtype = self.tensor_meta(key)
         data = out if out is not None else torch.empty(shape, dtype=dtype)
         entry = self._entry(key)
+        entry.check_tiling(key, self._where)
         tasks, covered = plan_reads(
             key,
             entry.pieces,

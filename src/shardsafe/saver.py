@@ -119,7 +119,9 @@ class Saver:
         self._settle_previous()
         comm = get_comm(self.process_group)
         t0 = time.perf_counter()
-        planned = plan_save(comm, sharded_state_dict, locate(path), overwrite, self.plan_cache)
+        planned = plan_save(
+            comm, sharded_state_dict, locate(path), overwrite, self.plan_cache, content_metadata
+        )
         t_plan = time.perf_counter() - t0
 
         def share() -> ShareItems:
@@ -171,7 +173,9 @@ class Saver:
         self._settle_previous()
         comm = get_comm(self.process_group)
         t0 = time.perf_counter()
-        planned = plan_save(comm, sharded_state_dict, locate(path), overwrite, self.plan_cache)
+        planned = plan_save(
+            comm, sharded_state_dict, locate(path), overwrite, self.plan_cache, content_metadata
+        )
         t_plan = time.perf_counter() - t0
 
         def stage() -> ShareItems:

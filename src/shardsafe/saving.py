@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -138,10 +139,20 @@ class PlannedSave:
 
 
 def plan_save(
-    comm: Comm, sharded_state_dict: Any, loc: Location, overwrite: bool, cache: PlanCache | None
+    comm: Comm,
+    sharded_state_dict: Any,
+    loc: Location,
+    overwrite: bool,
+    cache: PlanCache | None,
+    content_metadata: Mapping[str, Any] | None = None,
 ) -> PlannedSave:
     """Collective: validate and plan (or reuse the cached plan); raise the same error everywhere."""
-    prepared, err = outcome(lambda: prepare(sharded_state_dict, comm.rank))
+
+    def checked() -> tuple[SplitStateDict, LocalPlan]:
+        check_content_metadata(content_metadata)
+        return prepare(sharded_state_dict, comm.rank)
+
+    prepared, err = outcome(checked)
     structure = (
         f"{comm.world_size}/{comm.rank}/{prepared[1].structure_hash()}" if prepared else None
     )
@@ -201,6 +212,18 @@ def plan_save(
         cache.misses += 1
         cache.entry = _CacheEntry(structure, reply["plan_id"], assignment, coordinator_plan)
     return PlannedSave(loc, token, split, local_plan, assignment, coordinator_plan, False)
+
+
+def check_content_metadata(content_metadata: Mapping[str, Any] | None) -> None:
+    """It is stored as plain JSON in the manifest: refuse anything else before writing data."""
+    if content_metadata is None:
+        return
+    try:
+        json.dumps(dict(content_metadata), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValidationError(
+            f"content_metadata must be plain JSON data (str keys; str, int, float, bool, None, lists, dicts): {e}"
+        ) from None
 
 
 def begin(loc: Location, token: str, overwrite: bool) -> None:
