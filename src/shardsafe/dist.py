@@ -8,8 +8,10 @@ waiting in a collective that a failed peer will never reach.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +37,38 @@ class Comm:
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
+
+    def arrive(self, stage: str, timeout: float) -> None:
+        """Wait until every rank reached ``stage``; after ``timeout`` s raise naming the absent ranks.
+
+        Runs through the process group's store before a collective, so that a dead or stuck
+        rank becomes a :class:`DistributedError` naming it instead of a hang until the
+        process group's own timeout. Every rank must call the same stages in the same order.
+        """
+        if not self.distributed:
+            return
+        store = _store()
+        seq = _next_sequence(self)
+        base = f"shardsafe/arrive/{_group_tag(self)}/{seq}"
+        store.set(f"{base}/r{self.rank}", stage)
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        count = int(store.add(f"{base}/count", 1))
+        while count < self.world_size:
+            if time.monotonic() > deadline:
+                absent = [r for r in range(self.world_size) if not store.check([f"{base}/r{r}"])]
+                raise DistributedError(
+                    f"rank {self.rank}: {describe_ranks(absent)} did not reach '{stage}' within {timeout:.0f} s "
+                    "(dead, stuck, or calling a different checkpoint operation)",
+                    {r: "absent" for r in absent},
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            count = int(store.add(f"{base}/count", 0))
+        if int(store.add(f"{base}/done", 1)) == self.world_size:
+            for key in [f"{base}/r{r}" for r in range(self.world_size)] + [f"{base}/count", f"{base}/done"]:
+                with contextlib.suppress(Exception):
+                    store.delete_key(key)
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
@@ -93,6 +127,35 @@ class Comm:
         if self.group is None:
             return group_rank
         return tdist.get_global_rank(self.group, group_rank)
+
+
+_SEQUENCES: dict[str, int] = {}
+_SEQ_LOCK = threading.Lock()
+
+
+def _group_tag(comm: Comm) -> str:
+    """Names the group by its global ranks, the same on every member."""
+    if comm.group is None:
+        return f"world{comm.world_size}"
+    ranks = tdist.get_process_group_ranks(comm.group)
+    return f"g{len(ranks)}-{ranks[0]}-{hash(tuple(ranks)) & 0xFFFFFFFF:x}"
+
+
+def _next_sequence(comm: Comm) -> int:
+    """Per-group count of arrivals in this process: equal on every rank that calls the same steps."""
+    tag = _group_tag(comm)
+    with _SEQ_LOCK:
+        _SEQUENCES[tag] = _SEQUENCES.get(tag, 0) + 1
+        return _SEQUENCES[tag]
+
+
+def _store() -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception as e:  # pragma: no cover - torch internals moved
+        raise DistributedError(f"cannot reach the process group's store: {e}") from e
 
 
 def get_comm(process_group: Any = None) -> Comm:

@@ -198,6 +198,7 @@ def load(
     strict: StrictHandling | str = StrictHandling.ASSUME_OK_UNEXPECTED,
     threads: int | None = None,
     max_buffer_bytes: int = DEFAULT_MAX_BUFFER,
+    timeout: float = 1800.0,
 ) -> Any:
     """Load ``path`` into the layout described by ``sharded_state_dict`` (the template).
 
@@ -218,6 +219,7 @@ def load(
         "error": err,
         "requested": sorted(result[2]) if result and strict.needs_missing else None,
     }
+    comm.arrive("load", timeout)
     records = comm.all_gather(state)
     raise_for([r["error"] for r in records], "load")
     assert result is not None

@@ -92,13 +92,13 @@ class Saver:
         *,
         files_per_rank: int = 2,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
-        commit_timeout: float = 1800.0,
+        timeout: float = 1800.0,
         cache_plan: bool = True,
     ) -> None:
         self.process_group = process_group
         self.files_per_rank = files_per_rank
         self.block_bytes = block_bytes
-        self.commit_timeout = commit_timeout
+        self.timeout = timeout
         self.plan_cache = PlanCache() if cache_plan else None
         self.staging = StagingPool()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-save")
@@ -120,7 +120,7 @@ class Saver:
         comm = get_comm(self.process_group)
         t0 = time.perf_counter()
         planned = plan_save(
-            comm, sharded_state_dict, locate(path), overwrite, self.plan_cache, content_metadata
+            comm, sharded_state_dict, locate(path), overwrite, self.plan_cache, content_metadata, self.timeout
         )
         t_plan = time.perf_counter() - t0
 
@@ -143,6 +143,7 @@ class Saver:
             )
         )
         t_write = time.perf_counter() - t1
+        comm.arrive("save commit", self.timeout)
         gathered = comm.gather({"result": result, "error": err})
         status = (
             finalize(planned, gathered, overwrite, content_metadata, self.block_bytes)
@@ -174,7 +175,7 @@ class Saver:
         comm = get_comm(self.process_group)
         t0 = time.perf_counter()
         planned = plan_save(
-            comm, sharded_state_dict, locate(path), overwrite, self.plan_cache, content_metadata
+            comm, sharded_state_dict, locate(path), overwrite, self.plan_cache, content_metadata, self.timeout
         )
         t_plan = time.perf_counter() - t0
 
@@ -244,11 +245,11 @@ class Saver:
             return finalize(planned, [record], overwrite, content_metadata, self.block_bytes)
         channel.post(record)
         if comm.is_coordinator:
-            records = channel.collect(self.commit_timeout)
+            records = channel.collect(self.timeout)
             status = finalize(planned, records, overwrite, content_metadata, self.block_bytes)
             channel.publish(status)
         else:
-            status = channel.await_status(self.commit_timeout + 60)
+            status = channel.await_status(self.timeout + 60)
         channel.cleanup()
         return status
 

@@ -145,6 +145,7 @@ def plan_save(
     overwrite: bool,
     cache: PlanCache | None,
     content_metadata: Mapping[str, Any] | None = None,
+    timeout: float = 1800.0,
 ) -> PlannedSave:
     """Collective: validate and plan (or reuse the cached plan); raise the same error everywhere."""
 
@@ -166,6 +167,12 @@ def plan_save(
     if comm.is_coordinator and err is None:
         _, err = outcome(lambda: begin(loc, token, overwrite))
         began = err is None
+    try:
+        comm.arrive("save planning", timeout)
+    except BaseException:
+        if began:
+            abort(loc, token)
+        raise
     votes = comm.all_gather(
         {"cached": candidate, "error": err, "token": token if comm.is_coordinator else None}
     )
