@@ -66,7 +66,10 @@ class Comm:
             delay = min(delay * 2, 0.05)
             count = int(store.add(f"{base}/count", 0))
         if int(store.add(f"{base}/done", 1)) == self.world_size:
-            for key in [f"{base}/r{r}" for r in range(self.world_size)] + [f"{base}/count", f"{base}/done"]:
+            for key in [f"{base}/r{r}" for r in range(self.world_size)] + [
+                f"{base}/count",
+                f"{base}/done",
+            ]:
                 with contextlib.suppress(Exception):
                     store.delete_key(key)
 
@@ -225,13 +228,17 @@ def raise_for(records: list[dict[str, Any] | None], stage: str) -> None:
             if len(records) > 1 and len(failed) < len(records):
                 message = f"{message} (on {describe_ranks(list(failed))} during {stage})"
             raise _make(cls, message) from _local_cause()
-    lines = "; ".join(
-        f"rank {r}: {rec['origin']}: {rec['message']}" for r, rec in sorted(failed.items())[:8]
-    )
+    lines = "; ".join(f"rank {r}: {_with_origin(rec)}" for r, rec in sorted(failed.items())[:8])
     raise DistributedError(
         f"{stage} failed on {describe_ranks(list(failed))}: {lines}",
         {r: rec["message"] for r, rec in failed.items()},
     ) from _local_cause()
+
+
+def _with_origin(rec: dict[str, Any]) -> str:
+    """``Origin: message`` unless the message already starts with its exception type."""
+    message, origin = str(rec["message"]), str(rec["origin"])
+    return message if message.startswith(f"{origin}:") else f"{origin}: {message}"
 
 
 def _make(cls: type[CheckpointError], message: str) -> CheckpointError:

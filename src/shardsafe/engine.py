@@ -55,11 +55,15 @@ def _write_all(f: Any, data: memoryview | bytes) -> None:
 def write_data_file(
     storage: Storage,
     rel: str,
-    items: Sequence[tuple[Any, memoryview | bytes]],
+    items: Iterable[tuple[Any, memoryview | bytes]],
     block_bytes: int,
     on_bytes: Callable[[int], None] | None = None,
 ) -> tuple[dict[Any, Extent], int]:
-    """Write ``items`` into the new file ``rel``; return each item's extent and the file size."""
+    """Write ``items`` into the new file ``rel``; return each item's extent and the file size.
+
+    ``items`` may be a generator: each item is dropped once written, so streaming writers
+    hold one item in memory at a time.
+    """
     extents: dict[Any, Extent] = {}
     pos = 0
     with storage.open_write(rel) as f:

@@ -120,14 +120,21 @@ class Saver:
         comm = get_comm(self.process_group)
         t0 = time.perf_counter()
         planned = plan_save(
-            comm, sharded_state_dict, locate(path), overwrite, self.plan_cache, content_metadata, self.timeout
+            comm,
+            sharded_state_dict,
+            locate(path),
+            overwrite,
+            self.plan_cache,
+            content_metadata,
+            self.timeout,
         )
         t_plan = time.perf_counter() - t0
 
         def share() -> ShareItems:
             s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=False)
             s.items[:0] = [
-                (("p", i), tensor_bytes(_data(planned.split.tensors[i][1]))) for i in planned.assignment.pieces
+                (("p", i), tensor_bytes(_data(planned.split.tensors[i][1])))
+                for i in planned.assignment.pieces
             ]
             return s
 
@@ -175,7 +182,13 @@ class Saver:
         comm = get_comm(self.process_group)
         t0 = time.perf_counter()
         planned = plan_save(
-            comm, sharded_state_dict, locate(path), overwrite, self.plan_cache, content_metadata, self.timeout
+            comm,
+            sharded_state_dict,
+            locate(path),
+            overwrite,
+            self.plan_cache,
+            content_metadata,
+            self.timeout,
         )
         t_plan = time.perf_counter() - t0
 

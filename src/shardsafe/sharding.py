@@ -79,7 +79,7 @@ class ShardedTensor:
         Axes below ``prepend_axis_num`` are prepended singleton axes (stacking layers/experts).
         """
         if flattened_range is not None:
-            raise ValueError(
+            raise ValidationError(
                 f"{key}: from_rank_offsets takes no flattened_range; use from_rank_offsets_flat"
             )
         offset, shape, fragments = _place(key, tuple(data.shape), rank_offsets, prepend_axis_num)
@@ -141,7 +141,7 @@ class ShardedTensor:
         """Any box of the global tensor, uneven splits included."""
         if local_shape is None:
             if flattened_range is not None:
-                raise ValueError(f"{key}: a flattened_range needs the non-flat local_shape")
+                raise ValidationError(f"{key}: a flattened_range needs the non-flat local_shape")
             local_shape = tuple(data.shape)
         return cls(
             key,
