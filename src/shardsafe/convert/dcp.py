@@ -1,0 +1,384 @@
+"""Reading PyTorch DCP checkpoints, Megatron-Core ``torch_dist`` ones included, without either
+``torch.distributed`` process groups or Megatron installed.
+
+On disk (see ``docs/dcp_layout.md``): a pickled ``Metadata`` in ``.metadata`` maps every key
+to its global shape and chunks, and every chunk to an ``(file, offset, length)`` slice of a
+``__{rank}_{i}.distcp`` file; each slice is one ``torch.save`` record of that chunk (or of a
+pickled object). Chunks are reassembled here into the global tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError
+from ..geometry import Box, find_overlap, first_uncovered
+from .errors import UnsupportedFormatError
+from .safe_pickle import load_metadata_pickle, load_torch_payload
+from .source import Shape
+
+METADATA_FILE = ".metadata"
+MEGATRON_CONFIG_FILE = "metadata.json"
+MEGATRON_COMMON_FILE = "common.pt"
+INTEGRITY_FILE = "integrity.json"
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _rank_metadata_files(path: Path) -> list[Path]:
+    """``__{rank}.metadata`` files, written instead of ``.metadata`` by saves without collectives."""
+    return sorted(
+        (p for p in path.glob("__*.metadata") if p.name[2 : -len(".metadata")].isdigit()),
+        key=lambda p: int(p.name[2 : -len(".metadata")]),
+    )
+
+
+def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True if ``path`` is a directory holding DCP metadata."""
+    p = Path(path)
+    return p.is_dir() and ((p / METADATA_FILE).is_file() or bool(_rank_metadata_files(p)))
+
+
+class _FileSlice(io.RawIOBase):
+    """A read-only, seekable window ``[offset, offset + length)`` of an open file, so that
+    ``torch.load`` reads a record straight from the ``.distcp`` file without a copy."""
+
+    def __init__(self, file: io.BufferedIOBase, offset: int, length: int) -> None:
+        super().__init__()
+        self._file, self._offset, self._length, self._pos = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._file.seek(self._offset + self._pos)
+        got = self._file.readinto(view[:n]) or 0
+        self._pos += got
+        return got
+
+
+class _Chunk:
+    __slots__ = ("info", "offsets", "sizes")
+
+    def __init__(self, offsets: Shape, sizes: Shape, info: Any) -> None:
+        self.offsets, self.sizes, self.info = offsets, sizes, info
+
+
+class _TensorEntry:
+    __slots__ = ("checked", "chunks", "dtype", "shape")
+
+    def __init__(self, shape: Shape, dtype: torch.dtype, chunks: list[_Chunk]) -> None:
+        self.shape, self.dtype, self.chunks, self.checked = shape, dtype, chunks, False
+
+
+class DcpSource:
+    """A TensorSource over a DCP checkpoint directory.
+
+    ``trust=True`` unpickles metadata and objects with the ordinary (code-running) machinery;
+    by default only DCP's own metadata classes and weights-only payloads are admitted.
+    ``extension_registry`` (a ``torch.distributed.checkpoint._extension.ExtensionRegistry``)
+    decodes records written with stream transforms such as compression; torch's default
+    registry is used when it is None.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], trust: bool = False, *, extension_registry: Any = None
+    ) -> None:
+        self.path = Path(path)
+        self.trust = trust
+        self._registry = extension_registry
+        if not self.path.exists():
+            raise CheckpointNotFoundError(f"{self.path}: no such checkpoint directory")
+        self.megatron_config = self._read_megatron_config()  # first: it names foreign backends
+        if not is_dcp_checkpoint(self.path):
+            raise UnsupportedFormatError(
+                f"{self.path}: not a DCP checkpoint (no {METADATA_FILE} file)"
+            )
+        self._tensors: dict[str, _TensorEntry] = {}
+        self._objects: dict[str, Any] = {}
+        self._common: dict[str, Any] | None = None
+        for file in self._metadata_files():
+            self._index(file)
+
+    # -- TensorSource -------------------------------------------------------------------------
+
+    def tensor_keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor_meta(self, key: str) -> tuple[Shape, torch.dtype]:
+        entry = self._entry(key)
+        return entry.shape, entry.dtype
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        entry = self._entry(key)
+        self._check_chunks(key, entry)
+        if len(entry.chunks) == 1:  # the common case of an unsharded tensor: no copy at all
+            return self._load_chunk(key, entry, entry.chunks[0])
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        for chunk in entry.chunks:
+            data = self._load_chunk(key, entry, chunk)
+            region = zip(chunk.offsets, chunk.sizes, strict=True)
+            out[tuple(slice(o, o + s) for o, s in region)].copy_(data)
+            del data
+        return out
+
+    def common(self) -> dict[str, Any]:
+        """Megatron's ``common.pt`` (if present) plus every object item, by its flat DCP key."""
+        if self._common is None:
+            state: dict[str, Any] = {}
+            common_file = self.path / MEGATRON_COMMON_FILE
+            if common_file.is_file():
+                with open(common_file, "rb") as f:
+                    loaded = load_torch_payload(f, str(common_file), trust=self.trust)
+                state.update(loaded if isinstance(loaded, dict) else {"common": loaded})
+            for key, info in self._objects.items():
+                state[key] = self._load_record(info, f"object {key!r}", tensor=False)
+            self._common = state
+        return dict(self._common)
+
+    def verify_integrity(self) -> list[str]:
+        """Check files against Megatron-Core's ``integrity.json`` (SHA-256 per file), if present.
+
+        Returns the problems found (empty when all match); raises if the manifest is unreadable.
+        """
+        manifest_file = self.path / INTEGRITY_FILE
+        if not manifest_file.is_file():
+            return []
+        try:
+            manifest = json.loads(manifest_file.read_text())
+            algorithm, files = manifest.get("algorithm", "sha256"), dict(manifest["files"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptCheckpointError(f"{manifest_file}: unreadable ({e!r})") from None
+        if algorithm != "sha256":
+            raise CorruptCheckpointError(f"{manifest_file}: unknown hash algorithm {algorithm!r}")
+        problems = []
+        for name, expected in files.items():
+            file = self.path / str(name)
+            if not file.is_file():
+                problems.append(f"{name}: missing")
+                continue
+            digest = hashlib.sha256()
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            if digest.hexdigest() != expected:
+                problems.append(f"{name}: SHA-256 mismatch")
+        return problems
+
+    def object_keys(self) -> list[str]:
+        """Keys of the non-tensor items stored in the ``.distcp`` files."""
+        return list(self._objects)
+
+    # -- metadata -----------------------------------------------------------------------------
+
+    def _read_megatron_config(self) -> dict[str, Any] | None:
+        file = self.path / MEGATRON_CONFIG_FILE
+        if not file.is_file():
+            return None
+        try:
+            config = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise CorruptCheckpointError(f"{file}: unreadable ({e})") from e
+        backend = config.get("sharded_backend") if isinstance(config, dict) else None
+        if backend is not None and backend != "torch_dist":
+            raise UnsupportedFormatError(
+                f"{file}: Megatron-Core checkpoint with sharded_backend {backend!r}; only 'torch_dist' is read"
+            )
+        return config if isinstance(config, dict) else None
+
+    def _metadata_files(self) -> list[Path]:
+        single = self.path / METADATA_FILE
+        return [single] if single.is_file() else _rank_metadata_files(self.path)
+
+    def _index(self, file: Path) -> None:
+        try:
+            data = file.read_bytes()
+        except OSError as e:
+            raise CorruptCheckpointError(f"{file}: unreadable ({e})") from e
+        metadata = load_metadata_pickle(data, str(file), trust=self.trust)
+        entries = getattr(metadata, "state_dict_metadata", None)
+        storage = getattr(metadata, "storage_data", None)
+        if not isinstance(entries, dict) or not isinstance(storage, dict):
+            raise CorruptCheckpointError(
+                f"{file}: does not hold DCP metadata (got {type(metadata).__name__})"
+            )
+        where: dict[tuple[str, Shape | None], Any] = {}
+        for index, info in storage.items():
+            offset = getattr(index, "offset", None)
+            where[(getattr(index, "fqn", ""), None if offset is None else tuple(offset))] = info
+        for key, meta in entries.items():
+            if hasattr(meta, "chunks"):
+                self._index_tensor(file, key, meta, where)
+            elif key not in self._objects:
+                info = where.get((key, None))
+                if info is None:
+                    raise CorruptCheckpointError(f"{file}: object {key!r} has no storage entry")
+                self._objects[key] = info
+
+    def _index_tensor(
+        self, file: Path, key: str, meta: Any, where: dict[tuple[str, Shape | None], Any]
+    ) -> None:
+        try:
+            shape = tuple(int(s) for s in meta.size)
+            dtype = meta.properties.dtype
+            pieces = [
+                (tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+                for c in meta.chunks
+            ]
+        except (AttributeError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{file}: malformed entry for {key!r} ({e})") from e
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptCheckpointError(f"{file}: {key!r} has no valid dtype ({dtype!r})")
+        entry = self._tensors.get(key)
+        if entry is None:
+            entry = self._tensors[key] = _TensorEntry(shape, dtype, [])
+        elif (entry.shape, entry.dtype) != (shape, dtype):
+            raise CorruptCheckpointError(
+                f"{file}: {key!r} is {shape} {dtype} here but {entry.shape} {entry.dtype} in another rank's metadata"
+            )
+        known = {c.offsets for c in entry.chunks}
+        for offsets, sizes in pieces:
+            if offsets in known:
+                continue
+            info = where.get((key, offsets))
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"{file}: chunk of {key!r} at offset {offsets} has no storage entry"
+                )
+            entry.chunks.append(_Chunk(offsets, sizes, info))
+
+    def _entry(self, key: str) -> _TensorEntry:
+        try:
+            return self._tensors[key]
+        except KeyError:
+            kind = "an object, not a tensor" if key in self._objects else "not in the checkpoint"
+            raise MissingKeyError(f"{self.path}: {key!r} is {kind}") from None
+
+    def _check_chunks(self, key: str, entry: _TensorEntry) -> None:
+        """The chunks must tile the global tensor exactly; checked once per key, on first read,
+        so that one damaged entry does not stop the conversion of a selection without it."""
+        if entry.checked:
+            return
+        boxes = []
+        for chunk in entry.chunks:
+            try:
+                box = Box(chunk.offsets, chunk.sizes)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"{self.path}: {key!r}: bad chunk ({e})") from None
+            if not box.within(entry.shape):
+                raise CorruptCheckpointError(
+                    f"{self.path}: {key!r}: chunk at {chunk.offsets} of size {chunk.sizes} lies outside {entry.shape}"
+                )
+            boxes.append(box)
+        overlap = find_overlap(boxes)
+        if overlap is not None:
+            a, b = (entry.chunks[i] for i in overlap)
+            raise CorruptCheckpointError(
+                f"{self.path}: {key!r}: chunks at {a.offsets} and {b.offsets} overlap"
+            )
+        covered, numel = (
+            sum(b.numel for b in boxes),
+            Box((0,) * len(entry.shape), entry.shape).numel,
+        )
+        if covered != numel:
+            hole = first_uncovered(entry.shape, boxes)
+            at = f"; index {hole} is in none" if hole is not None else ""
+            raise CorruptCheckpointError(
+                f"{self.path}: {key!r}: chunks cover {covered} of {numel} elements{at}"
+            )
+        entry.checked = True
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def _load_chunk(self, key: str, entry: _TensorEntry, chunk: _Chunk) -> torch.Tensor:
+        what = f"chunk of {key!r} at offset {chunk.offsets}"
+        data = self._load_record(chunk.info, what, tensor=True)
+        if not isinstance(data, torch.Tensor):
+            raise CorruptCheckpointError(
+                f"{self.path}: {what} holds a {type(data).__name__}, not a tensor"
+            )
+        if tuple(data.shape) != chunk.sizes or data.dtype != entry.dtype:
+            raise CorruptCheckpointError(
+                f"{self.path}: {what} is {tuple(data.shape)} {data.dtype}, expected {chunk.sizes} {entry.dtype}"
+            )
+        return data
+
+    def _load_record(self, info: Any, what: str, *, tensor: bool) -> Any:
+        try:
+            relative, offset, length = str(info.relative_path), int(info.offset), int(info.length)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(
+                f"{self.path}: {what}: malformed storage entry ({e})"
+            ) from e
+        file = self._data_file(relative, what)
+        where = f"{file} ({what})"
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{file}: data file missing; it holds the {what}"
+            ) from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise CorruptCheckpointError(
+                f"{file}: truncated: the {what} needs bytes [{offset}, {offset + length}) of a {size}-byte file"
+            )
+        descriptors = list(getattr(info, "transform_descriptors", None) or ())
+        with open(file, "rb") as raw:
+            stream: IO[bytes] = _FileSlice(raw, offset, length)  # type: ignore[assignment]
+            if descriptors:
+                stream = self._untransform(stream, descriptors, where)
+            if tensor:
+                head = stream.read(4)
+                stream.seek(0)
+                if head != _ZIP_MAGIC:
+                    raise CorruptCheckpointError(f"{where}: not a torch.save record")
+                # Tensor records hold nothing but a tensor: torch's weights-only loader suffices.
+                return load_torch_payload(stream, where, trust=False)
+            return load_torch_payload(stream, where, trust=self.trust)
+
+    def _data_file(self, relative: str, what: str) -> Path:
+        file = (self.path / relative).resolve()
+        root = self.path.resolve()
+        if os.path.isabs(relative) or root not in file.parents:
+            raise CorruptCheckpointError(
+                f"{self.path}: {what} points outside the checkpoint ({relative!r})"
+            )
+        return file
+
+    def _untransform(self, stream: IO[bytes], descriptors: list[str], where: str) -> IO[bytes]:
+        try:
+            from torch.distributed.checkpoint._extension import (
+                ExtensionRegistry,
+                StreamTransformExtension,
+            )
+
+            registry = self._registry if self._registry is not None else ExtensionRegistry()
+            for ext in registry.from_descriptor_list(descriptors):
+                if isinstance(ext, StreamTransformExtension):
+                    stream = ext.transform_from(stream)
+            return io.BytesIO(stream.read())
+        except (ImportError, ValueError) as e:
+            raise CorruptCheckpointError(
+                f"{where}: written with stream transforms {descriptors} that cannot be decoded here ({e})"
+            ) from e

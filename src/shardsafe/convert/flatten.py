@@ -1,0 +1,64 @@
+"""Flattening nested state into ``a.b.c`` keys, keeping only what a weights-only load reads back.
+
+Formats without a notion of nesting (a flat ``torch.save`` dict, DCP's flat keys, safetensors)
+all spell nested state this way, which is also how DCP itself flattens state dicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .safe_pickle import is_weights_only_value
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    return False
+
+
+def describe(skipped: Mapping[str, Any]) -> list[str]:
+    return [f"{k} ({type(v).__module__}.{type(v).__qualname__})" for k, v in skipped.items()]
+
+
+def flatten_state(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(flat, skipped)``: ``flat`` maps dotted keys to tensors and weights-only values;
+    ``skipped`` holds, by dotted key, the leaves that a weights-only load could not read back.
+
+    Dicts (and argparse namespaces) are always descended into; lists and tuples only when they
+    hold tensors or unreadable items, so a list of plain numbers stays one value.
+    """
+    flat: dict[str, Any] = {}
+    skipped: dict[str, Any] = {}
+
+    def visit(path: str, value: Any) -> None:
+        if isinstance(value, argparse.Namespace):
+            value = vars(value)
+        if isinstance(value, Mapping) and value:
+            for k, v in value.items():
+                visit(f"{path}.{k}", v)
+        elif (
+            isinstance(value, (list, tuple))
+            and value
+            and (_holds_tensor(value) or not is_weights_only_value(value))
+        ):
+            for i, v in enumerate(value):
+                visit(f"{path}.{i}", v)
+        elif isinstance(value, torch.Tensor) and is_weights_only_value(value):
+            flat[path] = value.detach().as_subclass(torch.Tensor)
+        elif is_weights_only_value(value if not isinstance(value, Mapping) else dict(value)):
+            flat[path] = dict(value) if isinstance(value, Mapping) else value
+        else:
+            skipped[path] = value
+
+    for key, value in tree.items():
+        visit(str(key), value)
+    return flat, skipped
