@@ -46,6 +46,17 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     ``torch_dist`` included), safetensors files Hugging Face. Files: ``.safetensors`` is
     Hugging Face, a ``torch.save`` archive or pickle is torch.
     """
+    from ..storage import is_url
+
+    if is_url(os.fspath(path)):
+        from ..location import locate
+
+        loc = locate(path)
+        if loc.parent.exists(loc.join(SHARDSAFE_MANIFEST)):
+            return "shardsafe"
+        raise UnsupportedFormatError(
+            f"{path}: no {SHARDSAFE_MANIFEST}; only shardsafe checkpoints are read from URLs"
+        )
     p = Path(path)
     if not p.exists():
         raise CheckpointNotFoundError(f"{p}: no such file or directory")
@@ -74,7 +85,14 @@ _OPENERS: dict[str, Opener] = {
         Path(path).parent if str(path).endswith(".index.json") else path
     ),
     "torch": lambda path, trust=False: TorchFileSource(path, trust=trust),
+    "shardsafe": lambda path, trust=False: _open_shardsafe(path),
 }
+
+
+def _open_shardsafe(path: str | os.PathLike[str]) -> TensorSource:
+    from .native import open_shardsafe  # the core reader; imported late to keep layers apart
+
+    return open_shardsafe(path)
 
 
 def register_source(fmt: str, opener: Opener) -> None:
