@@ -25,6 +25,7 @@ from .engine import DEFAULT_MAX_BUFFER, DataReader, ReadTask, default_threads, p
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DistributedError,
     IncompatibleRequestError,
     IncompleteCheckpointError,
     MissingKeyError,
@@ -32,6 +33,14 @@ from .errors import (
 from .format import MANIFEST_NAME, Manifest, TensorEntry
 from .geometry import Box
 from .location import TMP_MARK, Location, locate
+from .parallel_load import (
+    MIN_SHARED_BYTES,
+    Request,
+    SharedPiece,
+    assign_readers,
+    exchange,
+    should_share,
+)
 from .sharding import (
     LocalNonPersistentObject,
     Path,
@@ -199,35 +208,73 @@ def load(
     threads: int | None = None,
     max_buffer_bytes: int = DEFAULT_MAX_BUFFER,
     timeout: float = 1800.0,
+    fully_parallel: bool | str = "auto",
 ) -> Any:
     """Load ``path`` into the layout described by ``sharded_state_dict`` (the template).
 
     Tensors handed in are filled in place; the result has the template's structure with every
     sharded entry replaced by its tensor/object, non-persistent values unwrapped, and the
     checkpoint's common state merged in. With ``strict=RETURN_*`` returns
-    ``(state_dict, missing_keys, unexpected_keys)``. Every rank of ``process_group`` must call it.
+    ``(state_dict, missing_keys, unexpected_keys)``. Every rank of ``process_group`` must call it;
+    ``timeout`` bounds how long a rank waits for the others before naming the absent ones.
+    ``fully_parallel``: a piece requested by several ranks is read by one and sent to the others
+    (``True``), every rank reads for itself (``False``), or the measured heuristic decides
+    (``"auto"``: only over NCCL, see :func:`shardsafe.parallel_load.should_share`).
     """
     strict = StrictHandling(strict)
     comm = get_comm(process_group)
     t0 = time.perf_counter()
-    result, err = outcome(
-        lambda: _load_local(
+    job, err = outcome(
+        lambda: _LoadJob(
             sharded_state_dict, path, strict, threads or default_threads(), max_buffer_bytes
         )
     )
+    shared: list[SharedPiece] = []
+    if comm.distributed and (
+        fully_parallel is True
+        or (fully_parallel == "auto" and should_share(comm, MIN_SHARED_BYTES, "auto"))
+    ):
+        comm.arrive("load planning", timeout)
+        records = comm.all_gather({"error": err, "requests": job.requests() if job else []})
+        raise_for([r["error"] for r in records], "load planning")
+        candidates = assign_readers(
+            [[(_request_from_json(q), n) for q, n in r["requests"]] for r in records]
+        )
+        volume = sum(p.nbytes * (len({r for r, _ in p.holders}) - 1) for p in candidates)
+        if should_share(comm, volume, fully_parallel):
+            shared = candidates
+    assert job is not None or err is not None
+    if job is not None:
+        receive = {
+            i for p in shared if p.reader != comm.rank for r, i in p.holders if r == comm.rank
+        }
+        _, err = outcome(lambda: job.read(receive))
+    if shared:
+        comm.arrive("load exchange", timeout)
+        records = comm.all_gather({"error": err})
+        raise_for([r["error"] for r in records], "load")
+        assert job is not None
+        try:
+            exchange(comm, shared, job.request_tensors)
+        except Exception as e:
+            raise DistributedError(
+                f"rank {comm.rank}: sending replicated pieces failed: {e}"
+            ) from e
+    result = None
+    if job is not None and err is None:
+        result, err = outcome(job.finish)
     state = {
         "error": err,
-        "requested": sorted(result[2]) if result and strict.needs_missing else None,
+        "requested": sorted(job.requested) if job and strict.needs_missing else None,
     }
     comm.arrive("load", timeout)
     records = comm.all_gather(state)
     raise_for([r["error"] for r in records], "load")
-    assert result is not None
-    loaded, unexpected, _, stored_keys = result
+    assert job is not None and result is not None
     missing: set[str] = set()
     if strict.needs_missing:
         everyone = set().union(*(set(r["requested"]) for r in records))
-        missing = stored_keys - everyone
+        missing = job.stored_keys - everyone
         if missing:
             msg = (
                 f"{len(missing)} checkpoint keys were requested by no rank: {sorted(missing)[:10]}"
@@ -240,74 +287,121 @@ def load(
             if strict == StrictHandling.LOG_ALL:
                 log.warning("%s: %s", os.fspath(path), msg)
     if comm.is_coordinator:
-        log.info("loaded %s in %.3f s", os.fspath(path), time.perf_counter() - t0)
-    if strict.returns:
-        return loaded, missing, set(unexpected)
-    return loaded
-
-
-def _load_local(
-    template: Any,
-    path: str | os.PathLike[str],
-    strict: StrictHandling,
-    threads: int,
-    max_buffer: int,
-) -> tuple[Any, list[str], set[str], set[str]]:
-    manifest, storage = read_manifest(path)
-    where = storage.describe(MANIFEST_NAME)
-    factories: list[tuple[Path, ShardedTensorFactory]] = []
-    tree = _apply_factories_recording(template, (), factories)
-    split = split_state_dict(tree)
-    requested = {st.key for _, st in split.tensors} | {o.unique_key for _, o in split.objects}
-    unexpected = [st.key for _, st in split.tensors if st.key not in manifest.tensors]
-    unexpected += [o.unique_key for _, o in split.objects if o.unique_key not in manifest.objects]
-    if unexpected:
-        msg = (
-            f"{os.fspath(path)}: {len(unexpected)} requested keys are not in the checkpoint: {sorted(set(unexpected))[:10]}"
-            + _suggest(unexpected[0], manifest)
+        log.info(
+            "loaded %s in %.3f s%s",
+            os.fspath(path),
+            time.perf_counter() - t0,
+            f" ({len(shared)} replicated pieces read once and sent)" if shared else "",
         )
-        if strict.raises_unexpected:
-            raise MissingKeyError(msg)
-        if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
-            log.warning("%s", msg)
-    skip = set(unexpected)
-    values: dict[int, Any] = {}
-    tasks: list[ReadTask] = []
-    finishers: list[Callable[[], None]] = []
-    with DataReader(storage, manifest.block_bytes, max_buffer) as reader:
-        for _, st in split.tensors:
-            if st.key in skip:
-                continue
-            data, t, fin = _fill_tensor(
-                st, manifest.tensors[st.key], max(1, max_buffer // st.dtype.itemsize), where
+    if strict.returns:
+        return result, missing, set(job.unexpected)
+    return result
+
+
+def _request_from_json(q: list[Any]) -> Request:
+    return (q[0], q[1], tuple(q[2]), tuple(q[3]), tuple(q[4]) if q[4] else None)
+
+
+class _LoadJob:
+    """One rank's load: what it asks for, reading it, and assembling the result."""
+
+    def __init__(
+        self,
+        template: Any,
+        path: str | os.PathLike[str],
+        strict: StrictHandling,
+        threads: int,
+        max_buffer: int,
+    ) -> None:
+        self.path = path
+        self.threads = threads
+        self.max_buffer = max_buffer
+        self.manifest, self.storage = read_manifest(path)
+        manifest = self.manifest
+        self.where = self.storage.describe(MANIFEST_NAME)
+        self.factories: list[tuple[Path, ShardedTensorFactory]] = []
+        self.tree = _apply_factories_recording(template, (), self.factories)
+        self.split = split_state_dict(self.tree)
+        self.requested = {st.key for _, st in self.split.tensors} | {
+            o.unique_key for _, o in self.split.objects
+        }
+        unexpected = [st.key for _, st in self.split.tensors if st.key not in manifest.tensors]
+        unexpected += [
+            o.unique_key for _, o in self.split.objects if o.unique_key not in manifest.objects
+        ]
+        self.unexpected = unexpected
+        if unexpected:
+            msg = (
+                f"{os.fspath(path)}: {len(unexpected)} requested keys are not in the checkpoint: {sorted(set(unexpected))[:10]}"
+                + _suggest(unexpected[0], manifest)
             )
-            values[id(st)] = data
-            tasks.extend(t)
-            finishers.append(fin)
-        run_tasks(reader, tasks, threads)
+            if strict.raises_unexpected:
+                raise MissingKeyError(msg)
+            if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+                log.warning("%s", msg)
+        self.skip = set(unexpected)
+        self.wanted = [st for _, st in self.split.tensors if st.key not in self.skip]
+        self.values: dict[int, Any] = {}
+        self.request_tensors: list[torch.Tensor] = []
+        self.stored_keys = set(manifest.tensors) | set(manifest.objects)
+
+    def requests(self) -> list[list[Any]]:
+        """``[request, nbytes]`` per wanted tensor, JSON-able, in order."""
+        out = []
+        for st in self.wanted:
+            box = st.chunk_box
+            flat = list(st.flat_bounds) if st.flat_bounds else None
+            out.append(
+                [
+                    [st.key, str(st.dtype), list(box.offset), list(box.shape), flat],
+                    st.numel * st.dtype.itemsize,
+                ]
+            )
+        return out
+
+    def read(self, receive: set[int]) -> None:
+        """Fill every wanted tensor from storage except those (by index) another rank will send."""
+        tasks: list[ReadTask] = []
+        finishers: list[Callable[[], None]] = []
+        for index, st in enumerate(self.wanted):
+            entry = self.manifest.tensors[st.key]
+            data, t, fin = _fill_tensor(
+                st, entry, max(1, self.max_buffer // st.dtype.itemsize), self.where
+            )
+            self.values[id(st)] = data
+            self.request_tensors.append(data)
+            if index not in receive:
+                tasks.extend(t)
+                finishers.append(fin)
+        with DataReader(self.storage, self.manifest.block_bytes, self.max_buffer) as reader:
+            run_tasks(reader, tasks, self.threads)
         for fin in finishers:
             fin()
 
-        def fetch(blob_id: str) -> bytes:
-            extent = manifest.blobs.get(blob_id)
-            if extent is None:
-                raise CorruptCheckpointError(
-                    f"{where}: blob {blob_id!r} is referenced but not listed"
-                )
-            return reader.read_extent(extent, f"blob {blob_id!r}")
+    def finish(self) -> Any:
+        """Decode objects and common state; merge everything into the template's structure."""
+        manifest, where = self.manifest, self.where
+        with DataReader(self.storage, manifest.block_bytes, self.max_buffer) as reader:
 
-        for _, o in split.objects:
-            if o.unique_key in skip:
-                continue
-            values[id(o)] = decode(
-                manifest.objects[o.unique_key].value, fetch, f"{where}: object {o.unique_key!r}"
-            )
-        common = decode(manifest.common, fetch, f"{where}: common state")
-    result = _merge(tree, common, values, skip)
-    for fpath, factory in reversed(factories):
-        result = _replace_at(result, fpath, factory.merge_fn(_get_at(result, fpath)))
-    stored = set(manifest.tensors) | set(manifest.objects)
-    return result, unexpected, requested, stored
+            def fetch(blob_id: str) -> bytes:
+                extent = manifest.blobs.get(blob_id)
+                if extent is None:
+                    raise CorruptCheckpointError(
+                        f"{where}: blob {blob_id!r} is referenced but not listed"
+                    )
+                return reader.read_extent(extent, f"blob {blob_id!r}")
+
+            for _, o in self.split.objects:
+                if o.unique_key in self.skip:
+                    continue
+                self.values[id(o)] = decode(
+                    manifest.objects[o.unique_key].value, fetch, f"{where}: object {o.unique_key!r}"
+                )
+            common = decode(manifest.common, fetch, f"{where}: common state")
+        result = _merge(self.tree, common, self.values, self.skip)
+        for fpath, factory in reversed(self.factories):
+            result = _replace_at(result, fpath, factory.merge_fn(_get_at(result, fpath)))
+        return result
 
 
 def _suggest(key: str, manifest: Manifest) -> str:
