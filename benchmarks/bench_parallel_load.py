@@ -20,8 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-import shardsafe  # noqa: E402
-from distributed import run_ranks  # noqa: E402
+from distributed import run_ranks
+
+import shardsafe
 
 
 def _worker(rank: int, world: int, path: str, mib: int, repeat: int) -> dict[str, float]:

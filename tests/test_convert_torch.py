@@ -23,7 +23,12 @@ from shardsafe.convert import (
     export_torch,
     open_source,
 )
-from shardsafe.errors import CheckpointExistsError, CheckpointNotFoundError, MissingKeyError
+from shardsafe.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingKeyError,
+)
 
 
 def test_export_is_a_plain_weights_only_torch_file(tmp_path: Path) -> None:
@@ -157,7 +162,7 @@ def test_detection_errors(tmp_path: Path) -> None:
     (tmp_path / "ss").mkdir()
     (tmp_path / "ss" / "manifest.json").write_text("{}")
     assert detect_format(tmp_path / "ss") == "shardsafe"
-    with pytest.raises(UnsupportedFormatError, match="no reader"):
+    with pytest.raises(CorruptCheckpointError, match="manifest.json"):  # detected, then read strictly
         open_source(tmp_path / "ss")
 
 

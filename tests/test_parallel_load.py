@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from distributed import run_ranks
 
 import shardsafe
-from distributed import run_ranks
 from shardsafe.parallel_load import assign_readers
 
 
