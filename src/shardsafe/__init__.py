@@ -15,6 +15,7 @@ from .errors import (
     MissingKeyError,
     ValidationError,
 )
+from .integrations.dtensor import dtensor_aware as _dtensor_aware
 from .loading import StrictHandling, load, load_content_metadata
 from .reader import (
     CheckpointReader,
@@ -30,7 +31,10 @@ from .sharding import (
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
+    register_state_dict_adapter,
 )
+
+register_state_dict_adapter(_dtensor_aware)  # a model.state_dict() holding DTensors just works
 
 __all__ = [
     "CheckpointError",
@@ -57,6 +61,7 @@ __all__ = [
     "load_common_state_dict",
     "load_metadata",
     "load_plain_tensors",
+    "register_state_dict_adapter",
     "load",
     "load_content_metadata",
     "save",

@@ -47,6 +47,7 @@ from .sharding import (
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
+    adapt,
     split_state_dict,
 )
 from .storage.base import Storage
@@ -320,7 +321,7 @@ class _LoadJob:
         manifest = self.manifest
         self.where = self.storage.describe(MANIFEST_NAME)
         self.factories: list[tuple[Path, ShardedTensorFactory]] = []
-        self.tree = _apply_factories_recording(template, (), self.factories)
+        self.tree = _apply_factories_recording(adapt(template), (), self.factories)
         self.split = split_state_dict(self.tree)
         self.requested = {st.key for _, st in self.split.tensors} | {
             o.unique_key for _, o in self.split.objects

@@ -107,4 +107,3 @@ def exchange(comm: Comm, shared: Sequence[SharedPiece], tensors: Sequence[torch.
 
 def shared_bytes_for(rank: int, shared: Sequence[SharedPiece]) -> int:
     return sum(p.nbytes for p in shared if any(r == rank for r, _ in p.holders))
-

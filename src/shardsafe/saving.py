@@ -45,6 +45,7 @@ from .sharding import (
     ShardedObject,
     ShardedTensor,
     SplitStateDict,
+    adapt,
     apply_factories,
     is_main_replica,
     split_state_dict,
@@ -94,7 +95,7 @@ def object_desc(obj: ShardedObject) -> ObjectDesc:
 
 def prepare(sharded_state_dict: Any, rank: int) -> tuple[SplitStateDict, LocalPlan]:
     """Apply factories, split off common state, describe this rank's pieces."""
-    split = split_state_dict(apply_factories(sharded_state_dict))
+    split = split_state_dict(apply_factories(adapt(sharded_state_dict)))
     for _, st in split.tensors:
         if st.data is None:
             raise ValidationError(f"{st.key!r}: a ShardedTensor without data cannot be saved")

@@ -349,6 +349,27 @@ class _Placeholder:
 PLACEHOLDER = _Placeholder()
 
 
+_ADAPTERS: list[Callable[[Any], Any]] = []
+
+
+def register_state_dict_adapter(adapter: Callable[[Any], Any]) -> None:
+    """Let ``save``/``load`` accept framework leaves (DTensors...) by rewriting them first.
+
+    ``adapter(tree)`` returns the tree with such leaves replaced by sharded entities (or the
+    tree itself when it has none). This is how higher layers plug in without the core
+    importing them.
+    """
+    if adapter not in _ADAPTERS:
+        _ADAPTERS.append(adapter)
+
+
+def adapt(tree: Any) -> Any:
+    """Apply the registered adapters (see :func:`register_state_dict_adapter`)."""
+    for adapter in _ADAPTERS:
+        tree = adapter(tree)
+    return tree
+
+
 def apply_factories(tree: Any) -> Any:
     """Replace every :class:`ShardedTensorFactory` by what its ``build_fn`` returns (recursively)."""
     if isinstance(tree, ShardedTensorFactory):
