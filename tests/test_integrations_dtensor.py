@@ -162,6 +162,13 @@ def _two_ranks(rank, world, root):
     assert not torch.equal(live["gate"], ref["gate"])
     checks["aware"] = {k: v for k, v in _full(tp2.state_dict()).items() if k.startswith("fc")}
 
+    # No wrapper at all: save/load apply dtensor_aware themselves.
+    shardsafe.save({"model": fsdp.state_dict(), "step": 4}, f"{root}/direct")
+    tp3 = _tp(1, mesh)
+    out = shardsafe.load({"model": tp3.state_dict()}, f"{root}/direct")
+    assert out["step"] == 4
+    checks["direct"] = {k: v for k, v in _full(tp3.state_dict()).items() if k.startswith("fc")}
+
     # A strided placement whose local shard is two separate boxes (rows 0-1 and 4-5 of 8).
     full = torch.arange(40.0).reshape(8, 5)
     strided = distribute_tensor(full, mesh, [StridedShard(0, split_factor=2)])
@@ -185,7 +192,7 @@ def test_fsdp2_tp_and_plain_load_each_other(tmp_path):
     results = run_ranks(_two_ranks, 2, str(tmp_path), timeout=110)
     ref = reference()
     for rank_checks in results:
-        for name in ("fsdp", "tp", "aware"):
+        for name in ("fsdp", "tp", "aware", "direct"):
             for k, v in rank_checks[name].items():
                 assert torch.equal(torch.from_numpy(v), ref[k]), (name, k)
         for name in ("strided", "strided_back"):
