@@ -143,6 +143,10 @@ class DcpSource:
             del data
         return out
 
+    def chunk_count(self, key: str) -> int:
+        """How many stored chunks make up ``key`` (for ``inspect``)."""
+        return len(self._entry(key).chunks)
+
     def common(self) -> dict[str, Any]:
         """Megatron's ``common.pt`` (if present) plus every object item, by its flat DCP key."""
         if self._common is None:
