@@ -1,0 +1,560 @@
+"""Rolling checkpoints of a training run in one directory: numbered steps, a ``latest``
+pointer, retention, and the clean-up of saves that never committed.
+
+Layout::
+
+    root/
+      step_000000100/                       committed (manifest.json inside)
+      step_000000200/
+      latest                                "step_000000200\\n", replaced atomically after a commit
+      .step_000000300.shardsafe-tmp-<token>/  a save in flight, or the remains of a crashed one
+      .step_000000300.shardsafe-lock          who is saving step 300 (host, pid)
+
+Every rank calls :meth:`CheckpointManager.save` and :meth:`CheckpointManager.restore`. Only
+the coordinator (rank 0 of the process group) moves the pointer, deletes old checkpoints and
+removes leftovers. With async saves it does so from the save's completion callback: that
+needs no collective, so a background commit never waits for the training loop and never
+races its collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from .dist import get_comm
+from .errors import CheckpointError, CheckpointNotFoundError
+from .format import MANIFEST_NAME
+from .loading import StrictHandling, load
+from .location import LOCK_SUFFIX, OLD_MARK, TMP_MARK
+from .saver import AsyncSaveHandle, Saver
+from .saving import SaveStats
+from .storage import Storage, is_url, storage_for
+
+log = logging.getLogger("shardsafe")
+
+STEP_PREFIX = "step_"
+STEP_DIGITS = 9
+_STEP_RE = re.compile(rf"{STEP_PREFIX}(\d{{{STEP_DIGITS},}})")
+_HIDDEN_RE = re.compile(
+    rf"\.(?P<base>.+?)(?:(?P<tmp>{re.escape(TMP_MARK)}.+)|(?P<old>{re.escape(OLD_MARK)}.+)|(?P<lock>{re.escape(LOCK_SUFFIX)}))"
+)
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+def step_name(step: int) -> str:
+    """``step_000000100``: zero-padded so that lexical order is numeric order."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"a checkpoint step must be a non-negative int, got {step!r}")
+    return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a ``step_NNNNNNNNN`` name, or None for any other name."""
+    m = _STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class CheckpointDirectory:
+    """Named checkpoints inside one root: which are committed, the pointer to the newest,
+    and the leftovers of saves that never committed.
+
+    A subclass says which names it manages (:meth:`owns`) and how they are ordered
+    (:meth:`order`). Works through :class:`~shardsafe.storage.Storage`, so the root may be a
+    local directory or an object-store URL.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], pointer: str) -> None:
+        text = os.fspath(root)
+        if not text:
+            raise CheckpointError("the checkpoint root is empty")
+        self.url = text.rstrip("/") if is_url(text) else os.path.abspath(text)
+        self.storage: Storage = storage_for(self.url)
+        self.pointer = pointer
+
+    # -- naming (what a subclass decides) ---------------------------------------------------
+    def owns(self, name: str) -> bool:
+        """True for the names of checkpoints this directory manages."""
+        raise NotImplementedError
+
+    def order(self, name: str) -> Any:
+        """Sort key of an owned name; the last is the newest."""
+        raise NotImplementedError
+
+    def claims_uncommitted(self, name: str) -> bool:
+        """True when an owned, uncommitted directory ``name`` can only be a save's remains."""
+        return self.owns(name)
+
+    # -- reading ----------------------------------------------------------------------------
+    def path(self, name: str) -> str:
+        """The checkpoint path to hand to ``save``/``load``."""
+        return f"{self.url}/{name}" if is_url(self.url) else os.path.join(self.url, name)
+
+    def is_committed(self, name: str) -> bool:
+        return self.storage.exists(f"{name}/{MANIFEST_NAME}")
+
+    def committed(self) -> list[str]:
+        """Every committed checkpoint, oldest first."""
+        names = [n for n in self.storage.list_dir("") if self.owns(n) and self.is_committed(n)]
+        return sorted(names, key=self.order)
+
+    def read_pointer(self) -> str | None:
+        """The name in the pointer file, or None when it is absent or unreadable."""
+        try:
+            raw = self.storage.read_bytes(self.pointer)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        except OSError as e:
+            log.warning("cannot read %s: %s", self.storage.describe(self.pointer), e)
+            return None
+        name = raw.decode("utf-8", "replace").strip()
+        return name if name and "/" not in name and self.owns(name) else None
+
+    def latest(self) -> str | None:
+        """The pointer's checkpoint if it is committed, else the newest committed one."""
+        name = self.read_pointer()
+        if name is not None and self.is_committed(name):
+            return name
+        committed = self.committed()
+        if name is not None:
+            log.warning(
+                "%s names %s, which is not a committed checkpoint; using %s",
+                self.storage.describe(self.pointer),
+                name,
+                committed[-1] if committed else "nothing",
+            )
+        return committed[-1] if committed else None
+
+    # -- writing (coordinator only) ------------------------------------------------------------
+    def write_pointer(self, name: str) -> None:
+        """Point at ``name``: write a temporary file, fsync, rename over the pointer, fsync the directory.
+
+        Readers see the old or the new pointer, never a torn one. Object stores replace an
+        object atomically on PUT, so there the pointer is written in place.
+        """
+        data = f"{name}\n".encode()
+        if not self.storage.atomic_rename:
+            self.storage.write_bytes(self.pointer, data)
+            return
+        tmp = f".{self.pointer}{TMP_MARK}{uuid.uuid4().hex[:16]}"
+        self.storage.write_bytes(tmp, data)
+        try:
+            self.storage.rename(tmp, self.pointer)
+        except BaseException:
+            self.storage.remove_tree(tmp)
+            raise
+        self.storage.sync_dir("")
+
+    def remove(self, name: str) -> None:
+        """Delete a checkpoint, uncommitting it first so that an interrupted deletion never
+        leaves something that looks committed (only a recognisable leftover)."""
+        if self.storage.atomic_rename:
+            trash = f".{name}{OLD_MARK}{uuid.uuid4().hex[:16]}"
+            try:
+                self.storage.rename(name, trash)
+            except FileNotFoundError:
+                return
+            self.storage.sync_dir("")
+            self.storage.remove_tree(trash)
+        else:
+            self.storage.remove_tree(f"{name}/{MANIFEST_NAME}")
+            self.storage.remove_tree(name)
+
+    # -- leftovers --------------------------------------------------------------------------
+    def lock_state(self, name: str) -> str:
+        """``"absent"``, ``"stale"`` (its process on this host is dead) or ``"alive"``.
+
+        A lock from another host, or one that cannot be parsed, counts as alive: its owner
+        cannot be checked from here, and deleting a running save's files would be worse than
+        keeping a leftover.
+        """
+        try:
+            raw = self.storage.read_bytes(f".{name}{LOCK_SUFFIX}")
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return "absent"
+        try:
+            host, pid, _ = raw.decode().split()
+            alive = host != socket.gethostname() or _pid_alive(int(pid))
+        except ValueError:
+            return "alive"
+        return "alive" if alive else "stale"
+
+    def leftovers(self, active: Collection[str] = ()) -> list[str]:
+        """Entries left by saves that never committed, skipping the names in ``active``
+        (saves in flight from this process) and anything a live lock protects:
+
+        * ``.<name>.shardsafe-tmp-*`` work directories and ``.<name>.shardsafe-old-*``
+          directories of an interrupted overwrite or deletion;
+        * ``.<name>.shardsafe-lock`` files of processes that died on this host;
+        * owned directories without a manifest (see :meth:`claims_uncommitted`);
+        * temporary files of an interrupted pointer update.
+        """
+        found: list[str] = []
+        locks: list[str] = []
+        for entry in self.storage.list_dir(""):
+            m = _HIDDEN_RE.fullmatch(entry)
+            if m is not None:
+                base = m.group("base")
+                if base == self.pointer and m.group("tmp"):
+                    found.append(entry)
+                    continue
+                if not self.owns(base) or base in active:
+                    continue
+                state = self.lock_state(base)
+                if m.group("lock"):
+                    if state == "stale":
+                        locks.append(entry)
+                elif state != "alive":
+                    found.append(entry)
+            elif (
+                self.owns(entry)
+                and entry not in active
+                and self.claims_uncommitted(entry)
+                and not self.is_committed(entry)
+                and self.lock_state(entry) != "alive"
+            ):
+                found.append(entry)
+        return found + locks  # locks last: they guard the directories until those are gone
+
+    def clean(self, active: Collection[str] = ()) -> list[str]:
+        """Remove :meth:`leftovers`; returns what was removed."""
+        removed = []
+        for entry in self.leftovers(active):
+            try:
+                self.storage.remove_tree(entry)
+            except Exception as e:
+                log.warning("could not remove %s: %s", self.storage.describe(entry), e)
+                continue
+            log.info(
+                "removed %s (left by a save that never committed)", self.storage.describe(entry)
+            )
+            removed.append(entry)
+        return removed
+
+
+class StepDirectory(CheckpointDirectory):
+    """``step_NNNNNNNNN`` checkpoints ordered by step, with the pointer ``latest``."""
+
+    def __init__(self, root: str | os.PathLike[str], pointer: str = "latest") -> None:
+        super().__init__(root, pointer)
+
+    def owns(self, name: str) -> bool:
+        return parse_step(name) is not None
+
+    def order(self, name: str) -> Any:
+        return parse_step(name)
+
+
+class CheckpointManager:
+    """Numbered checkpoints of one run under ``root``, with retention and crash clean-up.
+
+    ``keep_last``: keep the newest N committed steps (None keeps all). ``keep_every``: also
+    keep every step divisible by K (milestones). The step the ``latest`` pointer names is
+    never deleted, and nothing is deleted before the new checkpoint has committed.
+    With ``async_save`` (the default) :meth:`save` returns once the state is staged in host
+    memory; the returned handle completes after the commit *and* the coordinator's pointer
+    update and retention.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        process_group: Any = None,
+    ) -> None:
+        for what, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{what} must be a positive int or None, got {value!r}")
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = async_save
+        self.process_group = process_group
+        self._dir = self._make_directory(root)
+        self.root = self._dir.url
+        self._saver = Saver(process_group)
+        self._lock = threading.Lock()  # guards _active and _pending
+        self._maintenance = threading.Lock()  # one pointer update / deletion pass at a time
+        self._active: set[str] = set()
+        self._pending: tuple[AsyncSaveHandle, Future[SaveStats]] | None = None
+        self._closed = False
+        if get_comm(process_group).is_coordinator:
+            self._dir.storage.make_dir("")
+            self.cleanup()
+
+    def _make_directory(self, root: str | os.PathLike[str]) -> CheckpointDirectory:
+        return StepDirectory(root)
+
+    # -- queries ----------------------------------------------------------------------------
+    def checkpoint_path(self, step: int) -> str:
+        """Where step ``step`` is (or would be) stored."""
+        return self._dir.path(step_name(step))
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (as this process sees the directory now)."""
+        return [s for s in (parse_step(n) for n in self._dir.committed()) if s is not None]
+
+    def latest_step(self) -> int | None:
+        """The step ``latest`` names if it is committed, else the newest committed step, else None.
+
+        Read from storage by this process: right after an async save completes, a rank other
+        than the coordinator may still see the previous pointer for a moment. ``restore()``
+        without a step takes the coordinator's answer on every rank.
+        """
+        name = self._dir.latest()
+        return parse_step(name) if name is not None else None
+
+    # -- saving -----------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        content_metadata: Mapping[str, Any] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> AsyncSaveHandle | SaveStats:
+        """Collective: save the sharded state dict ``state`` as step ``step``.
+
+        Waits first for this manager's previous save (its failure stays on its handle). An
+        existing checkpoint of the same step is replaced, intact until the new one commits.
+        Returns an :class:`AsyncSaveHandle` with ``async_save``, else the :class:`SaveStats`.
+        A failure to update the pointer after a successful commit is raised (or set on the
+        handle) on the coordinator only, since only it writes the pointer.
+        """
+        return self._save_named(
+            step_name(step), state, content_metadata=content_metadata, progress=progress
+        )
+
+    def _save_named(
+        self,
+        name: str,
+        state: Any,
+        *,
+        content_metadata: Mapping[str, Any] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> AsyncSaveHandle | SaveStats:
+        if self._closed:
+            raise CheckpointError(f"the CheckpointManager of {self.root} is closed")
+        previous = self._settle()
+        if (
+            previous is not None
+            and previous[1].exception() is not None
+            and not previous[0].observed
+        ):
+            log.error(
+                "the async save into %s failed: %s", previous[0].path, previous[1].exception()
+            )
+        with self._lock:
+            self._active.add(name)
+        path = self._dir.path(name)
+        try:
+            if not self.async_save:
+                stats = self._saver.save(
+                    state,
+                    path,
+                    overwrite=True,
+                    content_metadata=content_metadata,
+                    progress=progress,
+                )
+            else:
+                inner = self._saver.async_save(
+                    state,
+                    path,
+                    overwrite=True,
+                    content_metadata=content_metadata,
+                    progress=progress,
+                )
+        except BaseException:
+            with self._lock:
+                self._active.discard(name)
+            raise
+        if not self.async_save:
+            try:
+                self._after_commit(name)
+            finally:
+                with self._lock:
+                    self._active.discard(name)
+            return stats
+        future: Future[SaveStats] = Future()
+        outer = AsyncSaveHandle(future, inner.path, inner.seconds_blocked)
+        with self._lock:
+            self._pending = (outer, future)
+        inner.add_done_callback(lambda h: self._finish(h, name, future))
+        return outer
+
+    def _finish(self, inner: AsyncSaveHandle, name: str, future: Future[SaveStats]) -> None:
+        """Completion callback (writer thread, or the caller's if already done): commit
+        bookkeeping on the coordinator, then complete the handle the caller holds."""
+        error: BaseException | None = None
+        stats: SaveStats | None = None
+        try:
+            error = inner.exception()
+            if error is None:
+                stats = inner.result()
+                try:
+                    self._after_commit(name)
+                except Exception as e:
+                    error = CheckpointError(
+                        f"{self._dir.path(name)} committed, but updating {self._dir.pointer!r} failed: {e}"
+                    )
+                    error.__cause__ = e
+        except BaseException as e:  # never leave the caller's handle pending
+            error = e
+        with self._lock:
+            self._active.discard(name)
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(stats)  # type: ignore[arg-type]
+
+    def _after_commit(self, name: str) -> None:
+        """Coordinator: point ``latest`` at the new checkpoint, apply retention, clean leftovers."""
+        if not get_comm(self.process_group).is_coordinator:
+            return
+        with self._maintenance:
+            self._dir.write_pointer(name)
+            committed = self._dir.committed()
+            for doomed in self._doomed(committed, name):
+                try:
+                    self._dir.remove(doomed)
+                    log.info("retention: deleted %s", self._dir.path(doomed))
+                except Exception as e:
+                    log.warning("retention: could not delete %s: %s", self._dir.path(doomed), e)
+            with self._lock:
+                active = set(self._active) - {name}
+            self._dir.clean(active)
+
+    def _doomed(self, committed: list[str], latest: str) -> list[str]:
+        """The committed names retention deletes now that ``latest`` has committed."""
+        if self.keep_last is None:
+            return []
+        keep = {latest, *committed[-self.keep_last :]}
+        if self.keep_every is not None:
+            every = self.keep_every
+            keep |= {n for n in committed if (parse_step(n) or 0) % every == 0}
+        return [n for n in committed if n not in keep]
+
+    # -- restoring --------------------------------------------------------------------------
+    def restore(
+        self,
+        state: Any,
+        step: int | None = None,
+        *,
+        strict: StrictHandling | str = StrictHandling.ASSUME_OK_UNEXPECTED,
+    ) -> Any:
+        """Collective: load step ``step`` (default: the latest committed) into the template
+        ``state``; returns what :func:`shardsafe.load` returns.
+
+        Without ``step`` the coordinator picks the step and tells the others, so every rank
+        loads the same checkpoint. Raises :class:`CheckpointNotFoundError` when there is none.
+        """
+        name = self._resolve(None if step is None else step_name(step))
+        return load(state, self._dir.path(name), process_group=self.process_group, strict=strict)
+
+    def _resolve(self, name: str | None) -> str:
+        self._settle()
+        if name is not None:
+            return name
+        comm = get_comm(self.process_group)
+        found = self._dir.latest() if comm.is_coordinator else None
+        found = comm.broadcast(found)
+        if found is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+        return str(found)
+
+    # -- housekeeping -----------------------------------------------------------------------
+    def cleanup(self) -> list[str]:
+        """Coordinator: remove what crashed saves left behind (never this manager's saves in
+        flight, nor anything a live lock protects); returns the removed names. Other ranks: []."""
+        if not get_comm(self.process_group).is_coordinator:
+            return []
+        with self._maintenance:
+            with self._lock:
+                active = set(self._active)
+            return self._dir.clean(active)
+
+    def wait(self, timeout: float | None = None) -> SaveStats | None:
+        """Wait for the save in flight (and its pointer update); return its stats.
+
+        Raises its error unless the caller has already seen it through the handle.
+        """
+        with self._lock:
+            pending = self._pending
+        if pending is None:
+            return None
+        handle, future = pending
+        seen = handle.observed
+        try:
+            exc = future.exception(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"save into {handle.path} still running after {timeout} s") from None
+        with self._lock:
+            if self._pending is pending:
+                self._pending = None
+        if exc is not None:
+            if seen:
+                return None
+            return handle.result()  # raises, and marks it seen
+        return handle.result()
+
+    def _settle(self) -> tuple[AsyncSaveHandle, Future[SaveStats]] | None:
+        """Wait, without raising, for the save in flight to finish its commit and bookkeeping."""
+        with self._lock:
+            pending = self._pending
+        if pending is not None:
+            pending[1].exception()
+        return pending
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the writer thread and staging memory."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._saver.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, "
+            f"keep_every={self.keep_every}, async_save={self.async_save})"
+        )
+
+
+__all__ = [
+    "CheckpointDirectory",
+    "CheckpointManager",
+    "StepDirectory",
+    "parse_step",
+    "step_name",
+]
