@@ -17,6 +17,7 @@ from .errors import (
 )
 from .integrations.dtensor import dtensor_aware as _dtensor_aware
 from .loading import StrictHandling, load, load_content_metadata
+from .manager import CheckpointManager
 from .reader import (
     CheckpointReader,
     VerifyReport,
@@ -55,6 +56,7 @@ __all__ = [
     "ValidationError",
     "__version__",
     "async_save",
+    "CheckpointManager",
     "CheckpointReader",
     "StrictHandling",
     "VerifyReport",
