@@ -173,10 +173,7 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
             data = fetch(_field(body, "blob", str, where))
             return _tensor_from_bytes(data, dtype, shape, where)
         if tag == "$ndarray":
-            try:
-                dt = np.dtype(_field(body, "dtype", str, where))
-            except TypeError:
-                raise bad(f"bad numpy dtype {body.get('dtype')!r}") from None
+            dt = _numpy_dtype(_field(body, "dtype", str, where), where)
             if dt.kind not in "biufc":
                 raise bad(f"numpy dtype {dt} is not allowed")
             shape = _shape(body, where)
@@ -187,8 +184,10 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
                 )
             return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
         if tag == "$npscalar":
+            dt = _numpy_dtype(_field(body, "dtype", str, where), where)
+            if dt.kind not in "biufc":  # what encode writes; np.void(n) would allocate n bytes
+                raise bad(f"numpy scalar dtype {dt} is not allowed")
             try:
-                dt = np.dtype(_field(body, "dtype", str, where))
                 return dt.type(dec(body.get("value")))
             except (TypeError, ValueError, OverflowError):
                 raise bad(f"bad numpy scalar {str(body)[:80]}") from None
@@ -224,7 +223,10 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
                 raise bad(f"cannot read a stored {body.get('type')!r}: {e}") from None
         raise bad(f"unknown tag {tag!r}")
 
-    return dec(node)
+    try:
+        return dec(node)
+    except RecursionError:
+        raise bad("the encoded value is nested too deeply to decode") from None
 
 
 def _refusal(e: Exception) -> str:
@@ -247,6 +249,13 @@ def _refusal(e: Exception) -> str:
         f"{detail} If you trust this checkpoint, allow what it needs with "
         "torch.serialization.add_safe_globals([...]) and load again"
     )
+
+
+def _numpy_dtype(name: str, where: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except Exception:  # numpy's parser raises TypeError, ValueError, even SyntaxError
+        raise CorruptCheckpointError(f"{where}: bad numpy dtype {name[:40]!r}") from None
 
 
 def _field(body: Any, name: str, kind: type, where: str) -> Any:

@@ -50,6 +50,18 @@ class Comm:
         store = _store()
         seq = _next_sequence(self)
         base = f"shardsafe/arrive/{_group_tag(self)}/{seq}"
+        try:
+            self._wait_for_all(store, base, stage, timeout)
+        except DistributedError:
+            raise
+        except Exception as e:  # the store itself is gone: its host process died
+            raise DistributedError(
+                f"rank {self.rank}: lost the process group's store while waiting for '{stage}' "
+                f"({type(e).__name__}: {e}); the process hosting it (rank 0 with a tcp:// or env:// "
+                "rendezvous, or the launcher) probably died"
+            ) from None
+
+    def _wait_for_all(self, store: Any, base: str, stage: str, timeout: float) -> None:
         store.set(f"{base}/r{self.rank}", stage)
         deadline = time.monotonic() + timeout
         delay = 0.001
@@ -80,9 +92,7 @@ class Comm:
         try:
             tdist.all_gather_object(out, json.dumps(obj), group=self.group)
         except Exception as e:
-            raise DistributedError(
-                f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out"
-            ) from e
+            raise self._collective_failed(e, None) from e
         return [json.loads(s) for s in out]
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -93,9 +103,7 @@ class Comm:
         try:
             tdist.gather_object(json.dumps(obj), out, dst=self.global_rank(0), group=self.group)
         except Exception as e:
-            raise DistributedError(
-                f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out"
-            ) from e
+            raise self._collective_failed(e, 0) from e
         return [json.loads(s) for s in out] if out is not None else None
 
     def broadcast(self, obj: Any) -> Any:
@@ -106,9 +114,7 @@ class Comm:
         try:
             tdist.broadcast_object_list(box, src=self.global_rank(0), group=self.group)
         except Exception as e:
-            raise DistributedError(
-                f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out"
-            ) from e
+            raise self._collective_failed(e, 0) from e
         return json.loads(box[0])  # type: ignore[arg-type]
 
     def scatter(self, objs: list[Any] | None) -> Any:
@@ -121,10 +127,19 @@ class Comm:
         try:
             tdist.scatter_object_list(out, inputs, src=self.global_rank(0), group=self.group)
         except Exception as e:
-            raise DistributedError(
-                f"rank {self.rank}: a collective failed ({e}); another rank probably died or timed out"
-            ) from e
+            raise self._collective_failed(e, 0) from e
         return json.loads(out[0])
+
+    def _collective_failed(self, e: Exception, root: int | None) -> DistributedError:
+        """A collective raised (a peer's connection closed, or the group's timeout passed)."""
+        who = (
+            f"rank {root} (the coordinator) or another rank"
+            if root is not None and self.rank != root
+            else "another rank"
+        )
+        return DistributedError(
+            f"rank {self.rank}: a collective failed ({e}); {who} probably died or timed out"
+        )
 
     def global_rank(self, group_rank: int) -> int:
         if self.group is None:

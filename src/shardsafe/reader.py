@@ -18,7 +18,7 @@ from .checksum import block_count
 from .codec import decode
 from .dtypes import dtype_from_name
 from .engine import DEFAULT_MAX_BUFFER, DataReader, default_threads, plan_reads, run_tasks
-from .errors import CheckpointError, MissingKeyError
+from .errors import CheckpointError, CorruptCheckpointError, MissingKeyError
 from .format import MANIFEST_NAME, Manifest
 from .geometry import find_overlap, first_uncovered, full_box
 from .loading import read_manifest
@@ -62,21 +62,27 @@ class CheckpointReader:
     def read_tensor(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The whole global tensor ``key``, consolidated from its pieces and verified."""
         shape, dtype = self.tensor_meta(key)
-        data = out if out is not None else torch.empty(shape, dtype=dtype)
         entry = self._entry(key)
         entry.check_tiling(key, self._where)
-        tasks, covered = plan_reads(
-            key,
-            entry.pieces,
-            [(full_box(shape), data)],
-            dtype,
-            max(1, self.max_buffer // dtype.itemsize),
-        )
-        if covered != math.prod(shape):
-            raise CheckpointError(
-                f"{self.path}: tensor {key!r}: pieces cover {covered} of {math.prod(shape)} elements"
-            )
         with DataReader(self.storage, self.manifest.block_bytes, self.max_buffer) as reader:
+            for piece in entry.pieces:  # the manifest's shape is backed by bytes on disk
+                reader.check_extent(piece.extent, f"tensor {key!r}")
+            data = (
+                out
+                if out is not None
+                else _allocate(shape, dtype, f"{self._where}: tensor {key!r}")
+            )
+            tasks, covered = plan_reads(
+                key,
+                entry.pieces,
+                [(full_box(shape), data)],
+                dtype,
+                max(1, self.max_buffer // dtype.itemsize),
+            )
+            if covered != math.prod(shape):
+                raise CheckpointError(
+                    f"{self.path}: tensor {key!r}: pieces cover {covered} of {math.prod(shape)} elements"
+                )
             run_tasks(reader, tasks, self.threads)
         return data
 
@@ -89,7 +95,7 @@ class CheckpointReader:
         def fetch(blob_id: str) -> bytes:
             extent = self.manifest.blobs.get(blob_id)
             if extent is None:
-                raise CheckpointError(
+                raise CorruptCheckpointError(
                     f"{self._where}: blob {blob_id!r} is referenced but not listed"
                 )
             return reader.read_extent(extent, f"blob {blob_id!r}")
@@ -118,6 +124,15 @@ class CheckpointReader:
     def verify(self, progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Re-read every stored byte, check checksums, sizes and coverage. Never raises for damage."""
         return verify_manifest(self.manifest, self.storage, progress)
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, where: str) -> torch.Tensor:
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as e:
+        raise CorruptCheckpointError(
+            f"{where}: cannot allocate a tensor of shape {list(shape)[:8]} ({dtype}): {str(e).splitlines()[0]}"
+        ) from None
 
 
 @dataclass

@@ -33,6 +33,7 @@ from .saving import (
     PlannedSave,
     SaveStats,
     ShareItems,
+    abort,
     encode_share,
     finalize,
     plan_save,
@@ -150,8 +151,13 @@ class Saver:
             )
         )
         t_write = time.perf_counter() - t1
-        comm.arrive("save commit", self.timeout)
-        gathered = comm.gather({"result": result, "error": err})
+        try:
+            comm.arrive("save commit", self.timeout)
+            gathered = comm.gather({"result": result, "error": err})
+        except BaseException:
+            if comm.is_coordinator:  # a rank died or hangs: remove the work directory and the lock
+                abort(planned.loc, planned.token)
+            raise
         status = (
             finalize(planned, gathered, overwrite, content_metadata, self.block_bytes)
             if gathered is not None

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
@@ -37,19 +38,49 @@ class LocalStorage(Storage):
     def size(self, rel: str) -> int:
         return os.stat(self.path(rel)).st_size
 
+    def open_fd(self, rel: str) -> int:
+        """A read-only descriptor of the regular file ``rel``, which must resolve inside the root.
+
+        A symbolic link planted in a checkpoint cannot make a reader open a file elsewhere,
+        and a FIFO or device in place of a file cannot block it or feed it endless bytes.
+        """
+        path = self.path(rel)
+        root = os.path.realpath(self.root)
+        real = os.path.realpath(path)
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise PermissionError(
+                errno.EACCES,
+                f"refusing to follow a symbolic link that leads outside {root} to {real}",
+                path,
+            )
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            if not stat.S_ISREG(mode):
+                raise PermissionError(
+                    errno.EACCES, "refusing to read what is not a regular file", path
+                )
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def read_bytes(self, rel: str) -> bytes:
-        with open(self.path(rel), "rb") as f:
+        with os.fdopen(self.open_fd(rel), "rb") as f:
             return f.read()
 
     def read_into(self, rel: str, offset: int, out: memoryview) -> None:
-        fd = os.open(self.path(rel), os.O_RDONLY)
+        fd = self.open_fd(rel)
         try:
             read_fd_into(fd, offset, out, self.path(rel))
         finally:
             os.close(fd)
 
     def open_read(self, rel: str) -> _FdReader:
-        return _FdReader(self.path(rel))
+        return _FdReader(self.path(rel), self.open_fd(rel))
 
     @contextmanager
     def open_write(self, rel: str) -> Iterator[BinaryIO]:
@@ -110,9 +141,9 @@ class LocalStorage(Storage):
 class _FdReader:
     """One open file descriptor for many preads (thread-safe: pread has no shared offset)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, fd: int) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = fd
 
     def read_into(self, offset: int, out: memoryview, /) -> None:
         read_fd_into(self.fd, offset, out, self.path)
