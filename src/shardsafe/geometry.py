@@ -10,9 +10,11 @@ No I/O, no torch: plain integers and tuples, so it can be tested at any scale.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 Shape = tuple[int, ...]
 
@@ -204,3 +206,38 @@ def first_uncovered(
     if len(missing) == 0:
         return None
     return tuple(int(cuts[ax][int(i)]) for ax, i in enumerate(missing[0]))
+
+
+def boxes_disjoint(offsets: Any, ends: Any, max_cells: int = 1 << 21) -> bool | None:
+    """Whether the boxes ``[offsets[i], ends[i])`` (int arrays of shape ``(n, ndim)``) are pairwise disjoint.
+
+    Vectorised: coordinates are compressed to the boxes' cut points and every box adds one
+    to the cells it covers (corner differences, then a prefix sum per axis), so the work
+    depends on the number of distinct cuts, not on the extent. Returns None when that grid
+    would exceed ``max_cells`` cells; use :func:`find_overlap` then. Empty boxes cover nothing.
+    """
+    import numpy as np
+
+    offsets = np.asarray(offsets, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    n, ndim = offsets.shape
+    if n < 2:
+        return True
+    keep = (ends > offsets).all(axis=1)
+    offsets, ends = offsets[keep], ends[keep]
+    if len(offsets) < 2:
+        return True
+    if ndim == 0:
+        return False
+    cuts = [np.unique(np.concatenate([offsets[:, a], ends[:, a]])) for a in range(ndim)]
+    if math.prod(len(c) for c in cuts) > max_cells:
+        return None
+    lo = [np.searchsorted(cuts[a], offsets[:, a]) for a in range(ndim)]
+    hi = [np.searchsorted(cuts[a], ends[:, a]) for a in range(ndim)]
+    counts = np.zeros([len(c) for c in cuts], dtype=np.int32)
+    for corner in itertools.product((0, 1), repeat=ndim):
+        index = tuple(hi[a] if c else lo[a] for a, c in enumerate(corner))
+        np.add.at(counts, index, -1 if sum(corner) % 2 else 1)
+    for a in range(ndim):
+        np.cumsum(counts, axis=a, out=counts)
+    return bool(counts.max() <= 1)

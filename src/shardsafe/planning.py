@@ -7,6 +7,7 @@ plan, so validation errors are the same everywhere and name the key and ranks in
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from collections import defaultdict
@@ -14,8 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .errors import ValidationError, describe_ranks
-from .geometry import Box, find_overlap, first_uncovered, flat_range_to_boxes
+from .geometry import Box, boxes_disjoint, find_overlap, first_uncovered, flat_range_to_boxes
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,46 +153,62 @@ def make_global_plan(local_plans: Sequence[LocalPlan]) -> GlobalPlan:
 
     Replicas of a piece (same box and flat range on several ranks) are written once, by the
     replica whose rank has the fewest bytes assigned so far, biggest pieces first.
+
+    One pass over all pieces groups them by key and geometry, so the per-replica work is a
+    dict lookup; validation then runs once per unique piece. Coverage of a key is certified
+    with a vectorised grid count; any key that fails it (or that the fast check cannot
+    decide) is re-checked piece by piece, which finds and describes the problem.
     """
-    by_key: dict[str, list[tuple[int, int, PieceDesc]]] = defaultdict(list)
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    bad_meta: set[str] = set()
+    per_key: dict[str, list[_Group]] = {}
+    index: dict[tuple[Any, ...], _Group] = {}
     for lp in local_plans:
+        rank = lp.rank
         for i, p in enumerate(lp.pieces):
-            by_key[p.key].append((lp.rank, i, p))
-    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-    groups: list[tuple[int, str, tuple[Any, ...], list[tuple[int, int]]]] = []
-    for key, items in by_key.items():
-        tensors[key] = _check_tensor(key, items)
-        by_geometry: dict[tuple[Any, ...], list[tuple[int, int, PieceDesc]]] = defaultdict(list)
-        for rank, i, p in items:
-            by_geometry[p.geometry].append((rank, i, p))
-        unique: list[tuple[tuple[Any, ...], list[tuple[int, int, PieceDesc]]]] = list(
-            by_geometry.items()
-        )
-        for geometry, holders in unique:
-            mains = [r for r, _, p in holders if p.main]
-            desc = _describe_piece(holders[0][2])
-            if not mains:
-                raise ValidationError(
-                    f"{key!r}: {desc} held by {describe_ranks([r for r, _, _ in holders])} has no main replica; "
-                    "exactly one holder must use replica_id 0 (all zeros)"
-                )
-            if len(mains) > 1:
-                raise ValidationError(
-                    f"{key!r}: {desc} is held as main replica (replica_id 0) by {describe_ranks(mains)}; "
-                    "replicas must have distinct, non-zero replica ids on all but one rank"
-                )
-            groups.append((holders[0][2].nbytes, key, geometry, [(r, i) for r, i, _ in holders]))
-        _check_coverage(key, tensors[key][1], [(g, h) for g, h in unique])
+            key = p.key
+            m = meta.get(key)
+            if m is None:
+                meta[key] = (p.dtype, p.global_shape)
+                per_key[key] = []
+            elif m[0] != p.dtype or m[1] != p.global_shape:
+                bad_meta.add(key)
+            g = (key, p.offset, p.shape, p.flat)
+            group = index.get(g)
+            if group is None:
+                group = index[g] = _Group(p)
+                per_key[key].append(group)
+            group.holders.append((rank, i))
+            if p.main:
+                group.mains.append(rank)
+    del index
+    for key, unique in per_key.items():
+        if key in bad_meta:
+            _check_tensor(key, _items(local_plans, key))
+        for group in unique:
+            _check_mains(key, group)
+        shape = meta[key][1]
+        if not _certify_coverage(shape, unique):
+            _check_coverage(key, shape, unique)
+    groups = [group for unique in per_key.values() for group in unique]
+    order = sorted(
+        (-group.piece.nbytes, group.piece.key, str(group.piece.geometry), j)
+        for j, group in enumerate(groups)
+    )
     loads = [0] * len(local_plans)
     chosen: list[list[int]] = [[] for _ in local_plans]
-    groups.sort(key=lambda g: (-g[0], g[1], str(g[2])))
-    for nbytes, _, _, writers in groups:
-        rank, index = min(writers, key=lambda h: (loads[h[0]], h[0]))
-        loads[rank] += nbytes
-        chosen[rank].append(index)
+    for *_, j in order:
+        group = groups[j]
+        writers = group.holders
+        if len(writers) == 1:
+            rank, index_ = writers[0]
+        else:
+            rank, index_ = min(writers, key=lambda h: (loads[h[0]], h[0]))
+        loads[rank] += group.piece.nbytes
+        chosen[rank].append(index_)
     object_writes = _plan_objects(local_plans)
     return GlobalPlan(
-        tensors,
+        {key: meta[key] for key in per_key},
         tuple(
             RankAssignment(tuple(sorted(chosen[r])), tuple(object_writes[r]))
             for r in range(len(local_plans))
@@ -197,9 +216,39 @@ def make_global_plan(local_plans: Sequence[LocalPlan]) -> GlobalPlan:
     )
 
 
+class _Group:
+    """The holders of one unique piece: ``(rank, index)`` pairs and the ranks holding it as main."""
+
+    __slots__ = ("holders", "mains", "piece")
+
+    def __init__(self, piece: PieceDesc) -> None:
+        self.piece = piece
+        self.holders: list[tuple[int, int]] = []
+        self.mains: list[int] = []
+
+
+def _items(local_plans: Sequence[LocalPlan], key: str) -> list[tuple[int, int, PieceDesc]]:
+    return [(lp.rank, i, p) for lp in local_plans for i, p in enumerate(lp.pieces) if p.key == key]
+
+
 def _describe_piece(p: PieceDesc) -> str:
     flat = f", flat range [{p.flat[0]}, {p.flat[1]})" if p.flat else ""
     return f"the piece at offset {p.offset} of shape {p.shape}{flat}"
+
+
+def _check_mains(key: str, group: _Group) -> None:
+    if len(group.mains) == 1:
+        return
+    desc = _describe_piece(group.piece)
+    if not group.mains:
+        raise ValidationError(
+            f"{key!r}: {desc} held by {describe_ranks([r for r, _ in group.holders])} has no main replica; "
+            "exactly one holder must use replica_id 0 (all zeros)"
+        )
+    raise ValidationError(
+        f"{key!r}: {desc} is held as main replica (replica_id 0) by {describe_ranks(group.mains)}; "
+        "replicas must have distinct, non-zero replica ids on all but one rank"
+    )
 
 
 def _check_tensor(key: str, items: list[tuple[int, int, PieceDesc]]) -> tuple[str, tuple[int, ...]]:
@@ -215,18 +264,56 @@ def _check_tensor(key: str, items: list[tuple[int, int, PieceDesc]]) -> tuple[st
     return next(iter(variants))
 
 
-def _check_coverage(
-    key: str,
-    shape: tuple[int, ...],
-    unique: list[tuple[tuple[Any, ...], list[tuple[int, int, PieceDesc]]]],
-) -> None:
+def _certify_coverage(shape: tuple[int, ...], unique: list[_Group]) -> bool:
+    """True only if the unique pieces tile ``shape`` exactly; False means "check piece by piece".
+
+    Pieces with the same chunk box (flat ranges of one distributed-optimizer chunk, say) are
+    checked as disjoint intervals of that chunk; the chunk boxes must then lie inside the
+    shape and be pairwise disjoint, and the element counts must add up to the whole.
+    """
+    ndim = len(shape)
+    if ndim == 0:
+        return False
+    chunks: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
+    covered = 0
+    for group in unique:
+        p = group.piece
+        if len(p.offset) != ndim or len(p.shape) != ndim:
+            return False
+        if p.flat is None:
+            a, b = 0, math.prod(p.shape)
+        else:
+            a, b = p.flat
+            if not 0 <= a <= b <= math.prod(p.shape):
+                return False
+        if b > a:
+            chunks.setdefault((p.offset, p.shape), []).append((a, b))
+            covered += b - a
+    if covered != math.prod(shape):
+        return False
+    for ranges in chunks.values():
+        if len(ranges) > 1:
+            ranges.sort()
+            if any(nxt[0] < prev[1] for prev, nxt in itertools.pairwise(ranges)):
+                return False
+    if not chunks:
+        return covered == 0
+    offsets = np.array([c[0] for c in chunks], dtype=np.int64)
+    ends = offsets + np.array([c[1] for c in chunks], dtype=np.int64)
+    if (offsets < 0).any() or (ends > np.array(shape, dtype=np.int64)).any():
+        return False
+    return boxes_disjoint(offsets, ends) is True
+
+
+def _check_coverage(key: str, shape: tuple[int, ...], unique: list[_Group]) -> None:
+    """Piece by piece: raise naming the first overlap or a hole (the fast check found one)."""
     boxes: list[Box] = []
     owner: list[tuple[PieceDesc, list[int]]] = []
-    for _, holders in unique:
-        p = holders[0][2]
+    for group in unique:
+        p = group.piece
         for b in p.boxes():
             boxes.append(b)
-            owner.append((p, [r for r, _, _ in holders]))
+            owner.append((p, [r for r, _ in group.holders]))
     overlap = find_overlap(boxes)
     if overlap is not None:
         (pa, ra), (pb, rb) = owner[overlap[0]], owner[overlap[1]]

@@ -18,10 +18,17 @@ import torch
 from .codec import array_view, tensor_bytes
 
 _ALIGN = 64
+_PAGE = 4096
+_LARGE = 64 << 10
 
 
 def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    """Room for ``n`` bytes such that the next item starts page-aligned.
+
+    Every item starts on a page boundary, as large items do in the data file, so the
+    writer can hand the staged bytes to direct I/O without another copy.
+    """
+    return -(-n // _PAGE) * _PAGE if n >= _LARGE else -(-n // _ALIGN) * _ALIGN
 
 
 @dataclass
@@ -52,7 +59,9 @@ class StagingPool:
         if arena is None or arena.numel() < nbytes:
             if arena is not None:
                 self.allocated_bytes -= arena.numel()
-            arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+            raw = torch.empty(max(nbytes, 1) + _PAGE, dtype=torch.uint8, pin_memory=pinned)
+            start = -raw.data_ptr() % _PAGE  # page-aligned start (see _aligned)
+            arena = raw[start : start + max(nbytes, 1)]
             self._arenas[pinned] = arena
             self.allocations += 1
             self.allocated_bytes += arena.numel()
@@ -82,7 +91,7 @@ class StagingPool:
                     out.append(self._stage_cuda(t, dst))
                 else:
                     if size:
-                        dst.numpy()[:] = tensor_bytes(t)
+                        _copy_bytes(dst, t)
                     out.append(StagedItem(array_view(dst.numpy())))
             return out
 
@@ -108,3 +117,19 @@ class StagingPool:
         with self._lock:
             self._arenas.clear()
             self.allocated_bytes = 0
+
+
+def _copy_bytes(dst: torch.Tensor, t: torch.Tensor) -> None:
+    """Copy ``t``'s C-order bytes into the uint8 slice ``dst``.
+
+    ``torch.copy_`` runs on the intra-op thread pool and without the GIL; a non-contiguous
+    source is gathered in the same pass, without a contiguous temporary.
+    """
+    src = t.detach()
+    try:
+        if src.is_contiguous():
+            dst.copy_(src.reshape(-1).view(torch.uint8))
+        else:
+            dst.view(src.dtype).view(src.shape).copy_(src)
+    except RuntimeError:  # a dtype torch cannot reinterpret as bytes
+        dst.numpy()[:] = tensor_bytes(src)

@@ -1,0 +1,170 @@
+"""Direct I/O in the engine: the same bytes as buffered writes, reads right whether the file is
+cached, partly cached or not at all, and fallbacks where O_DIRECT is refused."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import shardsafe
+from shardsafe import engine
+from shardsafe.engine import (
+    CacheAwareReader,
+    DataReader,
+    aligned_empty,
+    open_data_file,
+    wants_direct,
+    write_data_file,
+)
+from shardsafe.storage.local import LocalStorage
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
+
+
+def _items(rng: random.Random, arena: np.ndarray) -> list[tuple[str, memoryview]]:
+    """Items of awkward sizes, some page-aligned (like staged ones), some not."""
+    out = []
+    pos = 0
+    for i in range(12):
+        n = rng.choice([0, 1, 63, 4095, 4096, 70_000, 1 << 20, (3 << 20) + 17])
+        if rng.random() < 0.5:
+            pos = -(-pos // 4096) * 4096
+        else:
+            pos += rng.randint(1, 100)
+        if pos + n > len(arena):
+            break
+        out.append((f"i{i}", memoryview(arena[pos : pos + n])))
+        pos += n
+    return out
+
+
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_direct_and_buffered_files_are_identical(tmp_path, seed):
+    rng = random.Random(seed)
+    arena = aligned_empty(24 << 20)
+    arena[:] = np.frombuffer(rng.randbytes(len(arena)), dtype=np.uint8)
+    items = _items(rng, arena)
+    storage = LocalStorage(str(tmp_path))
+    with open_data_file(storage, "direct.bin", direct=True) as f:
+        # tmpfs refuses O_DIRECT and gets a buffered file: the comparison below still holds
+        assert not isinstance(f, engine.DirectWriter) or f.direct
+    os.remove(tmp_path / "direct.bin")
+    got = {}
+    for mode in ("never", "always"):
+        old = engine.DIRECT_IO
+        engine.DIRECT_IO = mode
+        try:
+            got[mode] = write_data_file(storage, f"data/{mode}.bin", items, 1 << 20)
+        finally:
+            engine.DIRECT_IO = old
+    (ext_b, size_b), (ext_d, size_d) = got["never"], got["always"]
+    assert size_b == size_d == os.path.getsize(tmp_path / "data/always.bin")
+    assert {k: (e.byte_offset, e.nbytes, e.checksums) for k, e in ext_b.items()} == {
+        k: (e.byte_offset, e.nbytes, e.checksums) for k, e in ext_d.items()
+    }
+    assert (tmp_path / "data/never.bin").read_bytes() == (tmp_path / "data/always.bin").read_bytes()
+
+
+def test_auto_mode_uses_direct_io_only_for_page_aligned_sources(tmp_path):
+    storage = LocalStorage(str(tmp_path))
+    arena = aligned_empty(2 << 20)
+    unaligned = arena[64:]  # what a tensor's memory usually looks like
+    staged = [("a", memoryview(arena[: 1 << 20])), ("s", memoryview(b"x" * 10))]
+    assert wants_direct(storage, staged) == (engine.DIRECT_IO != "never")
+    assert not wants_direct(storage, [("a", memoryview(unaligned))]) or engine.DIRECT_IO == "always"
+    assert not wants_direct(storage, [("s", memoryview(b"tiny"))]) or engine.DIRECT_IO == "always"
+
+
+def test_cache_aware_reads_cold_partly_cached_and_cached(tmp_path):
+    rng = random.Random(1)
+    data = rng.randbytes((9 << 20) + 1234)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    storage = LocalStorage(str(tmp_path))
+    cases = [(0, 4 << 20), (1, (2 << 20) + 5), (4095, 3 << 20), (len(data) - (1 << 20), 1 << 20)]
+    for state in ("cold", "partly", "cached"):
+        _evict(str(path))
+        if state == "partly":
+            with open(path, "rb") as f:
+                f.seek(3 << 20)
+                f.read(2 << 20)
+        elif state == "cached":
+            path.read_bytes()
+        reader = CacheAwareReader(storage.open_read("f.bin"))
+        try:
+            for offset, n in cases:
+                for dst_shift in (0, 7, 4096):
+                    out = aligned_empty(n + dst_shift)[dst_shift:]
+                    reader.read_into(offset, memoryview(out))
+                    assert out.tobytes() == data[offset : offset + n], (state, offset, n, dst_shift)
+            with pytest.raises(EOFError, match="file ends after"):
+                reader.read_into(len(data) - (1 << 20), memoryview(bytearray(2 << 20)))
+            if state == "cold" and reader._direct:
+                # read with O_DIRECT: the bytes did not go through the page cache
+                resident = engine._Residency(reader.fd)
+                assert resident.cached_prefix(0, 4 << 20) == 0
+                resident.close()
+        finally:
+            reader.close()
+
+
+def test_direct_io_is_refused_on_tmpfs_and_falls_back(tmp_path):
+    shm = "/dev/shm"
+    if not os.path.isdir(shm):
+        pytest.skip("no /dev/shm")
+    import tempfile
+
+    root = tempfile.mkdtemp(dir=shm)
+    try:
+        storage = LocalStorage(root)
+        arena = aligned_empty(1 << 20)
+        arena[:] = 3
+        ext, size = write_data_file(storage, "data/x.bin", [("a", memoryview(arena))], 1 << 20)
+        assert size == 1 << 20
+        reader = DataReader(storage, 1 << 20)
+        try:
+            out = bytearray(size)
+            reader._read(ext["a"], 0, memoryview(out), "x")
+            assert bytes(out) == bytes(arena)
+        finally:
+            reader.close()
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_async_save_writes_direct_and_loads_back_cold(tmp_path):
+    saver = shardsafe.Saver()
+    w = torch.randn(1000, 300)
+    b = torch.randn(5)
+    sd = {
+        "w": shardsafe.ShardedTensor.from_rank_offsets("w", w.clone()),
+        "b": shardsafe.ShardedTensor.from_rank_offsets("b", b.clone()),
+    }
+    saver.async_save(sd, tmp_path / "ck").result(timeout=60)
+    saver.close()
+    for name in os.listdir(tmp_path / "ck" / "data"):
+        _evict(str(tmp_path / "ck" / "data" / name))
+    out = shardsafe.load(
+        {
+            "w": shardsafe.ShardedTensor.from_rank_offsets("w", torch.zeros(1000, 300)),
+            "b": shardsafe.ShardedTensor.from_rank_offsets("b", torch.zeros(5)),
+        },
+        tmp_path / "ck",
+    )
+    assert torch.equal(out["w"], w) and torch.equal(out["b"], b)
+    assert shardsafe.CheckpointReader(tmp_path / "ck").verify().ok
