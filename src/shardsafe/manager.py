@@ -283,6 +283,7 @@ class CheckpointManager:
         keep_every: int | None = None,
         async_save: bool = True,
         process_group: Any = None,
+        timeout: float = 1800.0,
     ) -> None:
         for what, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (
@@ -295,7 +296,8 @@ class CheckpointManager:
         self.process_group = process_group
         self._dir = self._make_directory(root)
         self.root = self._dir.url
-        self._saver = Saver(process_group)
+        self.timeout = timeout  # how long a rank waits for the others before naming the absent ones
+        self._saver = Saver(process_group, timeout=timeout)
         self._lock = threading.Lock()  # guards _active and _pending
         self._maintenance = threading.Lock()  # one pointer update / deletion pass at a time
         self._active: set[str] = set()
@@ -472,7 +474,13 @@ class CheckpointManager:
         loads the same checkpoint. Raises :class:`CheckpointNotFoundError` when there is none.
         """
         name = self._resolve(None if step is None else step_name(step))
-        return load(state, self._dir.path(name), process_group=self.process_group, strict=strict)
+        return load(
+            state,
+            self._dir.path(name),
+            process_group=self.process_group,
+            strict=strict,
+            timeout=self.timeout,
+        )
 
     def _resolve(self, name: str | None) -> str:
         self._settle()
