@@ -46,6 +46,7 @@ from parallel_layers import Layout, ParallelState
 
 import shardsafe
 from shardsafe.manager import CheckpointManager, step_name
+from shardsafe.saving import pid_alive
 
 #: Relative tolerance on the loss where the layout changes the float reduction order (TP
 #: all-reduces, DP gradient sums, ZeRO ranges); measured differences are around 1e-7.
@@ -447,7 +448,7 @@ class Demo:
             else:
                 host, pid, _ = p.read_text().split()
                 print(
-                    f"    {e:50s} lock of pid {pid} on {host} ({'alive' if _alive(int(pid)) else 'dead'})"
+                    f"    {e:50s} lock of pid {pid} on {host} ({'alive' if pid_alive(int(pid)) else 'dead'})"
                 )
         tmp = [e for e in entries if e.startswith(f".{killed}.shardsafe-tmp-")]
         lock = f".{killed}.shardsafe-lock"
@@ -591,16 +592,6 @@ class Demo:
             if not ok:
                 print(f"FAILED: {name}: {detail}")
         return 1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _retained(commits: Any, plan: Plan) -> list[int]:

@@ -36,7 +36,7 @@ from .format import MANIFEST_NAME
 from .loading import StrictHandling, load
 from .location import LOCK_SUFFIX, OLD_MARK, TMP_MARK
 from .saver import AsyncSaveHandle, Saver
-from .saving import SaveStats
+from .saving import SaveStats, pid_alive
 from .storage import Storage, is_url, storage_for
 
 log = logging.getLogger("shardsafe")
@@ -62,16 +62,6 @@ def parse_step(name: str) -> int | None:
     """The step of a ``step_NNNNNNNNN`` name, or None for any other name."""
     m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class CheckpointDirectory:
@@ -193,7 +183,7 @@ class CheckpointDirectory:
             return "absent"
         try:
             host, pid, _ = raw.decode().split()
-            alive = host != socket.gethostname() or _pid_alive(int(pid))
+            alive = host != socket.gethostname() or pid_alive(int(pid))
         except ValueError:
             return "alive"
         return "alive" if alive else "stale"

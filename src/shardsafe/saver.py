@@ -117,19 +117,9 @@ class Saver:
         progress: ProgressFn | None = None,
     ) -> SaveStats:
         """Save and return when committed; writes straight from the tensors (no staging copy)."""
-        self._settle_previous()
-        comm = get_comm(self.process_group)
-        t0 = time.perf_counter()
-        planned = plan_save(
-            comm,
-            sharded_state_dict,
-            locate(path),
-            overwrite,
-            self.plan_cache,
-            content_metadata,
-            self.timeout,
+        comm, planned, t0, t_plan = self._plan(
+            sharded_state_dict, path, overwrite, content_metadata
         )
-        t_plan = time.perf_counter() - t0
 
         def share() -> ShareItems:
             s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=False)
@@ -184,19 +174,9 @@ class Saver:
 
         A save still in flight is waited for first (its staging buffers are reused).
         """
-        self._settle_previous()
-        comm = get_comm(self.process_group)
-        t0 = time.perf_counter()
-        planned = plan_save(
-            comm,
-            sharded_state_dict,
-            locate(path),
-            overwrite,
-            self.plan_cache,
-            content_metadata,
-            self.timeout,
+        comm, planned, t0, t_plan = self._plan(
+            sharded_state_dict, path, overwrite, content_metadata
         )
-        t_plan = time.perf_counter() - t0
 
         def stage() -> ShareItems:
             s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=True)
@@ -250,6 +230,28 @@ class Saver:
             handle = AsyncSaveHandle(self._writer.submit(background), planned.loc.url, blocked)
             self._inflight = handle
         return handle
+
+    def _plan(
+        self,
+        sharded_state_dict: Any,
+        path: str | os.PathLike[str],
+        overwrite: bool,
+        content_metadata: Mapping[str, Any] | None,
+    ) -> tuple[Comm, PlannedSave, float, float]:
+        """Wait for the save in flight, then plan this one: (comm, plan, start time, planning s)."""
+        self._settle_previous()
+        comm = get_comm(self.process_group)
+        t0 = time.perf_counter()
+        planned = plan_save(
+            comm,
+            sharded_state_dict,
+            locate(path),
+            overwrite,
+            self.plan_cache,
+            content_metadata,
+            self.timeout,
+        )
+        return comm, planned, t0, time.perf_counter() - t0
 
     def _commit(
         self,

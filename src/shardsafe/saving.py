@@ -265,7 +265,7 @@ def take_lock(loc: Location) -> bool:
         return True
     try:
         host, pid, _ = loc.parent.read_bytes(loc.lock_name).decode().split()
-        stale = host == socket.gethostname() and not _pid_alive(int(pid))
+        stale = host == socket.gethostname() and not pid_alive(int(pid))
     except (OSError, ValueError):
         stale = False
     if stale:
@@ -274,7 +274,8 @@ def take_lock(loc: Location) -> bool:
     return False
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host still runs (a lock it holds is not stale)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
