@@ -314,3 +314,32 @@ def test_rank_killed_mid_upload_commits_nothing(
     assert_holds_step(manager.restore(whole_template()), 2)
     manager.close()
     assert sorted(storage.list_dir("")) == ["latest", "step_000000002"]
+
+
+@pytest.mark.timeout(120)
+def test_command_line_takes_s3_paths(s3_bucket_url: str, tmp_path: Path, capsys: Any) -> None:
+    """ls, inspect, diff, convert (both directions, every target format) on s3:// paths."""
+    for step in (1, 2):
+        shardsafe.save(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0) * step), "step": step},
+            f"{s3_bucket_url}/run/step_{step:09d}",
+        )
+    assert cli_main(["ls", f"{s3_bucket_url}/run", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["state"]) for r in rows] == [(1, "committed"), (2, "committed")]
+    assert cli_main(["inspect", f"{s3_bucket_url}/run/step_000000001", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensors"][0]["key"] == "w"
+    one, two = f"{s3_bucket_url}/run/step_000000001", f"{s3_bucket_url}/run/step_000000002"
+    assert cli_main(["diff", one, one]) == 0 and cli_main(["diff", one, two]) == 1
+    for fmt in ("torch", "hf", "dcp"):
+        assert cli_main(["convert", one, f"{s3_bucket_url}/out/{fmt}", "--to", fmt]) == 0
+    storage = FsspecStorage(f"{s3_bucket_url}/out")
+    assert storage.exists("torch") and storage.list_dir("hf") == ["model.safetensors"]
+    assert ".metadata" in storage.list_dir("dcp")
+    local = tmp_path / "model.pt"
+    local.write_bytes(storage.read_bytes("torch"))
+    assert torch.equal(torch.load(local, weights_only=True)["w"], torch.arange(6.0))
+    assert cli_main(["convert", str(local), f"{s3_bucket_url}/out/back", "--to", "shardsafe"]) == 0
+    assert cli_main(["diff", one, f"{s3_bucket_url}/out/back"]) == 0
+    assert cli_main(["convert", one, f"{s3_bucket_url}/out/hf", "--to", "hf"]) == 2  # exists
+    assert not list(Path(".").glob("s3:*"))  # nothing written to a local "s3:" directory

@@ -386,6 +386,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             if (args.prefix or rules or dtype)
             else source
         )
+    from .storage import is_url
+
+    if is_url(args.dst) and args.to != "shardsafe":
+        return _convert_via_local_copy(args)
     with _bar(total_nbytes(selected), f"convert -> {args.to}") as bar:
         done = [0]
 
@@ -411,6 +415,36 @@ def cmd_convert(args: argparse.Namespace) -> int:
         else:
             export_shardsafe(selected, args.dst, progress=progress, overwrite=args.overwrite)
     print(f"wrote {args.dst} ({args.to})")
+    return 0
+
+
+def _convert_via_local_copy(args: argparse.Namespace) -> int:
+    """torch/hf/dcp writers need a file system: write into a temporary directory, then upload."""
+    import tempfile
+
+    from .location import locate
+
+    loc = locate(args.dst)
+    if loc.parent.exists(loc.name) and not args.overwrite:
+        raise CheckpointError(f"{args.dst} already exists; pass --overwrite to replace it")
+    with tempfile.TemporaryDirectory(prefix="shardsafe-convert-") as tmp:
+        local = os.path.join(tmp, loc.name)
+        rc = cmd_convert(argparse.Namespace(**{**vars(args), "dst": local}))
+        if rc:
+            return rc
+        if args.overwrite:
+            loc.parent.remove_tree(loc.name)
+        files = (
+            [local]
+            if os.path.isfile(local)
+            else [os.path.join(d, f) for d, _, names in os.walk(local) for f in names]
+        )
+        for path in files:
+            rel = loc.name if path == local else f"{loc.name}/{os.path.relpath(path, local)}"
+            with open(path, "rb") as src, loc.parent.open_write(rel) as out:
+                while chunk := src.read(64 << 20):
+                    out.write(chunk)
+    print(f"uploaded to {args.dst}")
     return 0
 
 
