@@ -162,7 +162,9 @@ def test_detection_errors(tmp_path: Path) -> None:
     (tmp_path / "ss").mkdir()
     (tmp_path / "ss" / "manifest.json").write_text("{}")
     assert detect_format(tmp_path / "ss") == "shardsafe"
-    with pytest.raises(CorruptCheckpointError, match=r"manifest\.json"):  # detected, then read strictly
+    with pytest.raises(
+        CorruptCheckpointError, match=r"manifest\.json"
+    ):  # detected, then read strictly
         open_source(tmp_path / "ss")
 
 

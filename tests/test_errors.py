@@ -104,7 +104,13 @@ def test_error_types_subclass_the_builtins_they_mean():
     assert issubclass(IncompatibleRequestError, ValueError)
     assert issubclass(MissingKeyError, KeyError)
     assert issubclass(MissingKeyError, IncompatibleRequestError)
-    for cls in (CheckpointNotFoundError, CheckpointExistsError, CorruptCheckpointError, ValidationError, MissingKeyError):
+    for cls in (
+        CheckpointNotFoundError,
+        CheckpointExistsError,
+        CorruptCheckpointError,
+        ValidationError,
+        MissingKeyError,
+    ):
         assert issubclass(cls, CheckpointError)
     # the built-in bases must not mangle the message (no errno tuple, no repr quotes)
     assert str(MissingKeyError("no key 'x'")) == "no key 'x'"
@@ -118,25 +124,42 @@ def test_error_types_subclass_the_builtins_they_mean():
 @pytest.mark.parametrize(
     ("make", "names"),
     [
-        (lambda: ST.from_rank_offsets("w.bad", torch.zeros(2, 4), (2, 0, 2)), ["axis 2", "out of range"]),
-        (lambda: ST.from_rank_offsets("w.bad", torch.zeros(2, 4), (0, 0, 2), (0, 1, 2)), ["axis 0", "repeated"]),
+        (
+            lambda: ST.from_rank_offsets("w.bad", torch.zeros(2, 4), (2, 0, 2)),
+            ["axis 2", "out of range"],
+        ),
+        (
+            lambda: ST.from_rank_offsets("w.bad", torch.zeros(2, 4), (0, 0, 2), (0, 1, 2)),
+            ["axis 0", "repeated"],
+        ),
         (lambda: ST.from_rank_offsets("w.bad", torch.zeros(2, 4), (0, 2, 2)), ["rank 2", "[0, 2)"]),
         (lambda: ST.from_rank_offsets("w.bad", torch.zeros(2, 4), (0, -1, 2)), ["rank -1"]),
-        (lambda: ST.from_rank_offsets("w.bad", torch.zeros(2, 4), (0, 1)), ["(axis, rank_on_axis, fragments_on_axis)"]),
         (
-            lambda: ST.from_rank_offsets_flat("w.bad", torch.zeros(5), (2, 4), (0, 0, 2), flattened_range=slice(0, 4)),
+            lambda: ST.from_rank_offsets("w.bad", torch.zeros(2, 4), (0, 1)),
+            ["(axis, rank_on_axis, fragments_on_axis)"],
+        ),
+        (
+            lambda: ST.from_rank_offsets_flat(
+                "w.bad", torch.zeros(5), (2, 4), (0, 0, 2), flattened_range=slice(0, 4)
+            ),
             ["flattened data", "4 elements", "(5,)"],
         ),
         (
-            lambda: ST.from_rank_offsets_flat("w.bad", torch.zeros(20), (2, 4), flattened_range=slice(0, 20)),
+            lambda: ST.from_rank_offsets_flat(
+                "w.bad", torch.zeros(20), (2, 4), flattened_range=slice(0, 20)
+            ),
             ["flattened_range", "8 elements"],
         ),
         (
-            lambda: ST.from_rank_offsets_flat("w.bad", torch.zeros(2), (2, 4), flattened_range=slice(0, 4, 2)),
+            lambda: ST.from_rank_offsets_flat(
+                "w.bad", torch.zeros(2), (2, 4), flattened_range=slice(0, 4, 2)
+            ),
             ["step-1"],
         ),
         (
-            lambda: ST.from_rank_offsets_flat("w.bad", torch.zeros(2, 2), (2, 4), flattened_range=slice(0, 4)),
+            lambda: ST.from_rank_offsets_flat(
+                "w.bad", torch.zeros(2, 2), (2, 4), flattened_range=slice(0, 4)
+            ),
             ["flattened data must be 1-D"],
         ),
         (
@@ -147,15 +170,38 @@ def test_error_types_subclass_the_builtins_they_mean():
             lambda: ST("w.bad", torch.zeros(2, 4), torch.float16, (2, 4), (4, 4), (0, 0)),
             ["torch.float32", "torch.float16"],
         ),
-        (lambda: ST.from_global_offset("w.bad", torch.zeros(3, 4), (4, 4), (2, 0)), ["outside the global shape (4, 4)", "(2, 0)"]),
-        (lambda: ST.from_global_offset("w.bad", torch.zeros(3, 4), (4, 4), (0,)), ["global_offset (0,)"]),
-        (lambda: ST.from_global_offset("w.bad", torch.zeros(3, 4), (4, 4, 1), (0, 0, 0)), ["global_shape (4, 4, 1)"]),
-        (lambda: ShardedObject("obj.bad", 1, (2,), (2,)), ["global_offset (2,)", "global_shape (2,)"]),
+        (
+            lambda: ST.from_global_offset("w.bad", torch.zeros(3, 4), (4, 4), (2, 0)),
+            ["outside the global shape (4, 4)", "(2, 0)"],
+        ),
+        (
+            lambda: ST.from_global_offset("w.bad", torch.zeros(3, 4), (4, 4), (0,)),
+            ["global_offset (0,)"],
+        ),
+        (
+            lambda: ST.from_global_offset("w.bad", torch.zeros(3, 4), (4, 4, 1), (0, 0, 0)),
+            ["global_shape (4, 4, 1)"],
+        ),
+        (
+            lambda: ShardedObject("obj.bad", 1, (2,), (2,)),
+            ["global_offset (2,)", "global_shape (2,)"],
+        ),
     ],
     ids=[
-        "axis-out-of-range", "axis-repeated", "rank-too-big", "rank-negative", "offset-not-a-triple",
-        "flat-data-size", "flat-range-outside-box", "flat-range-step", "flat-data-not-1d",
-        "shape-vs-local-shape", "data-dtype-vs-dtype", "box-outside-global", "offset-rank", "shape-rank",
+        "axis-out-of-range",
+        "axis-repeated",
+        "rank-too-big",
+        "rank-negative",
+        "offset-not-a-triple",
+        "flat-data-size",
+        "flat-range-outside-box",
+        "flat-range-step",
+        "flat-data-not-1d",
+        "shape-vs-local-shape",
+        "data-dtype-vs-dtype",
+        "box-outside-global",
+        "offset-rank",
+        "shape-rank",
         "object-cell-outside-grid",
     ],
 )
@@ -179,7 +225,9 @@ def test_empty_key_refused():
     "make",
     [
         lambda: ST.from_rank_offsets("w.bad", torch.zeros(4), flattened_range=slice(0, 2)),
-        lambda: ST.from_global_offset("w.bad", torch.zeros(4), (8,), (0,), flattened_range=slice(0, 4)),
+        lambda: ST.from_global_offset(
+            "w.bad", torch.zeros(4), (8,), (0,), flattened_range=slice(0, 4)
+        ),
     ],
     ids=["from_rank_offsets", "from_global_offset"],
 )
@@ -199,7 +247,10 @@ def _assert_nothing_written(tmp_path):
     ("sd", "names"),
     [
         (
-            {"a": ST.from_rank_offsets("w", torch.zeros(4)), "b": ST.from_rank_offsets("w", torch.zeros(4))},
+            {
+                "a": ST.from_rank_offsets("w", torch.zeros(4)),
+                "b": ST.from_rank_offsets("w", torch.zeros(4)),
+            },
             ["'w'", "main replica", "rank 0", "replica_id"],
         ),
         (
@@ -214,11 +265,17 @@ def _assert_nothing_written(tmp_path):
             ["'w'", "8 of 16", "index (2, 0)", "missing its piece"],
         ),
         (
-            {"a": ST.from_rank_offsets("w", torch.zeros(2, 4), (0, 0, 2)), "b": ST.from_global_offset("w", torch.zeros(2, 4), (6, 4), (2, 0))},
+            {
+                "a": ST.from_rank_offsets("w", torch.zeros(2, 4), (0, 0, 2)),
+                "b": ST.from_global_offset("w", torch.zeros(2, 4), (6, 4), (2, 0)),
+            },
             ["'w'", "disagree", "[4, 4]", "[6, 4]"],
         ),
         (
-            {"a": ST.from_rank_offsets("w", torch.zeros(2, 4), (0, 0, 2)), "b": ST.from_rank_offsets("w", torch.zeros(2, 4, dtype=torch.float16), (0, 1, 2))},
+            {
+                "a": ST.from_rank_offsets("w", torch.zeros(2, 4), (0, 0, 2)),
+                "b": ST.from_rank_offsets("w", torch.zeros(2, 4, dtype=torch.float16), (0, 1, 2)),
+            },
             ["'w'", "disagree", "float32", "float16"],
         ),
         (
@@ -243,8 +300,16 @@ def _assert_nothing_written(tmp_path):
         ),
     ],
     ids=[
-        "two-mains", "boxes-overlap", "gap", "shape-disagrees", "dtype-disagrees", "no-main",
-        "object-grid-incomplete", "object-grid-disagrees", "object-two-mains", "no-data",
+        "two-mains",
+        "boxes-overlap",
+        "gap",
+        "shape-disagrees",
+        "dtype-disagrees",
+        "no-main",
+        "object-grid-incomplete",
+        "object-grid-disagrees",
+        "object-two-mains",
+        "no-data",
     ],
 )
 def test_invalid_sharding_refused_before_writing(tmp_path, sd, names):
@@ -279,7 +344,9 @@ def test_unpicklable_common_state_refused_and_cleaned_up(tmp_path, bad, names):
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_unsupported_dtype_refused(tmp_path):
     with pytest.raises(CheckpointError) as info:
-        shardsafe.save({"w": ST.from_rank_offsets("w", torch.zeros(4, dtype=torch.complex32))}, tmp_path / "ck")
+        shardsafe.save(
+            {"w": ST.from_rank_offsets("w", torch.zeros(4, dtype=torch.complex32))}, tmp_path / "ck"
+        )
     assert "complex32" in str(info.value) and "supported" in str(info.value)
     _assert_nothing_written(tmp_path)
 
@@ -292,7 +359,9 @@ def test_data_replaced_after_construction_is_validated_on_save(tmp_path):
     msg = str(info.value)
     assert "w: data dtype torch.float64" in msg and "declared dtype torch.float32" in msg
     st.data = torch.zeros(3, 4)
-    with pytest.raises(ValidationError, match=r"w: data shape \(3, 4\) differs from local_shape \(4, 4\)"):
+    with pytest.raises(
+        ValidationError, match=r"w: data shape \(3, 4\) differs from local_shape \(4, 4\)"
+    ):
         shardsafe.save({"w": st}, tmp_path / "ck")
     _assert_nothing_written(tmp_path)
 
@@ -300,7 +369,11 @@ def test_data_replaced_after_construction_is_validated_on_save(tmp_path):
 def test_distributed_error_names_each_failing_rank_once():
     from shardsafe.dist import error_record, raise_for
 
-    records = [error_record(ValidationError("'w': no data")), None, error_record(TypeError("bad dtype"))]
+    records = [
+        error_record(ValidationError("'w': no data")),
+        None,
+        error_record(TypeError("bad dtype")),
+    ]
     with pytest.raises(DistributedError) as info:
         raise_for(records, "save planning")
     msg = str(info.value)
@@ -326,7 +399,9 @@ def test_existing_path_refused_without_overwrite(ckpt):
 
 
 def test_overwrite_replaces_and_leaves_no_siblings(ckpt):
-    shardsafe.save({"w": ST.from_rank_offsets("w", torch.ones(2, 2)), "step": 8}, ckpt, overwrite=True)
+    shardsafe.save(
+        {"w": ST.from_rank_offsets("w", torch.ones(2, 2)), "step": 8}, ckpt, overwrite=True
+    )
     assert _siblings(ckpt.parent) == ["ck"]
     reader = CheckpointReader(ckpt)
     assert reader.tensor_keys() == ["w"] and reader.object_keys() == []
@@ -391,7 +466,12 @@ def test_directory_without_manifest(ckpt, tmp_path):
     with pytest.raises(IncompleteCheckpointError) as info:
         shardsafe.load(_template(), ckpt)
     msg = str(info.value)
-    assert str(ckpt) in msg and "manifest.json" in msg and "never committed" in msg and "earlier checkpoint" in msg
+    assert (
+        str(ckpt) in msg
+        and "manifest.json" in msg
+        and "never committed" in msg
+        and "earlier checkpoint" in msg
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(CheckpointNotFoundError) as info2:
@@ -406,7 +486,11 @@ def test_uncommitted_sibling_left_by_a_crash(tmp_path):
     with pytest.raises(IncompleteCheckpointError) as info:
         shardsafe.load(_template(), tmp_path / "ck")
     msg = str(info.value)
-    assert ".ck.shardsafe-tmp-0123456789ab" in msg and "uncommitted save" in msg and "earlier checkpoint" in msg
+    assert (
+        ".ck.shardsafe-tmp-0123456789ab" in msg
+        and "uncommitted save" in msg
+        and "earlier checkpoint" in msg
+    )
     # a crashed save's leftovers do not block a new save into the same name
     shardsafe.save(_full_sd(), tmp_path / "ck")
     assert torch.equal(shardsafe.load(_template(), tmp_path / "ck")["w"], W)
@@ -427,7 +511,10 @@ def test_uncommitted_sibling_left_by_a_crash(tmp_path):
         (lambda m: {**m, "version": 2}, ["format version 2", "upgrade shardsafe"]),
         (lambda m: {**m, "version": "1"}, ["format version '1'"]),
         (lambda m: {k: v for k, v in m.items() if k != "tensors"}, ["missing field 'tensors'"]),
-        (lambda m: {**m, "checksum": {"algorithm": "md5", "block_bytes": 4}}, ["unknown algorithm 'md5'"]),
+        (
+            lambda m: {**m, "checksum": {"algorithm": "md5", "block_bytes": 4}},
+            ["unknown algorithm 'md5'"],
+        ),
         (lambda m: {**m, "world_size": -1}, ["'world_size'", "non-negative"]),
         (
             lambda m: {**m, "tensors": {"w": {**m["tensors"]["w"], "dtype": "float128"}}},
@@ -438,28 +525,73 @@ def test_uncommitted_sibling_left_by_a_crash(tmp_path):
             ["tensor 'w' piece 0", "does not fit"],
         ),
         (
-            lambda m: {**m, "tensors": {"w": {**m["tensors"]["w"], "pieces": [{**m["tensors"]["w"]["pieces"][0], "nbytes": 8, "checksums": ["0"]}]}}},
+            lambda m: {
+                **m,
+                "tensors": {
+                    "w": {
+                        **m["tensors"]["w"],
+                        "pieces": [
+                            {**m["tensors"]["w"]["pieces"][0], "nbytes": 8, "checksums": ["0"]}
+                        ],
+                    }
+                },
+            },
             ["tensor 'w' piece 0", "holds 8 bytes", "need 64"],
         ),
         (
-            lambda m: {**m, "tensors": {"w": {**m["tensors"]["w"], "pieces": [{**m["tensors"]["w"]["pieces"][0], "byte_offset": 10**9}]}}},
+            lambda m: {
+                **m,
+                "tensors": {
+                    "w": {
+                        **m["tensors"]["w"],
+                        "pieces": [{**m["tensors"]["w"]["pieces"][0], "byte_offset": 10**9}],
+                    }
+                },
+            },
             ["tensor 'w' piece 0", "beyond the end of data/rank-00000-00.bin"],
         ),
         (
-            lambda m: {**m, "tensors": {"w": {**m["tensors"]["w"], "pieces": [{**m["tensors"]["w"]["pieces"][0], "file": "data/other.bin"}]}}},
+            lambda m: {
+                **m,
+                "tensors": {
+                    "w": {
+                        **m["tensors"]["w"],
+                        "pieces": [{**m["tensors"]["w"]["pieces"][0], "file": "data/other.bin"}],
+                    }
+                },
+            },
             ["tensor 'w' piece 0", "data/other.bin", "files table does not list"],
         ),
     ],
     ids=[
-        "not-json", "empty", "not-utf8", "not-an-object", "wrong-format", "no-format", "future-version",
-        "version-as-string", "missing-field", "unknown-checksum", "negative-world", "unknown-dtype",
-        "box-outside-shape", "extent-size", "extent-beyond-file", "extent-unlisted-file",
+        "not-json",
+        "empty",
+        "not-utf8",
+        "not-an-object",
+        "wrong-format",
+        "no-format",
+        "future-version",
+        "version-as-string",
+        "missing-field",
+        "unknown-checksum",
+        "negative-world",
+        "unknown-dtype",
+        "box-outside-shape",
+        "extent-size",
+        "extent-beyond-file",
+        "extent-unlisted-file",
     ],
 )
 def test_malformed_manifest_is_corrupt(ckpt, mutate, names):
     new = mutate(_manifest(ckpt))
-    (ckpt / "manifest.json").write_bytes(new if isinstance(new, bytes) else json.dumps(new).encode())
-    for fn in (lambda: shardsafe.load(_template(), ckpt), lambda: shardsafe.load_metadata(ckpt), lambda: CheckpointReader(ckpt)):
+    (ckpt / "manifest.json").write_bytes(
+        new if isinstance(new, bytes) else json.dumps(new).encode()
+    )
+    for fn in (
+        lambda: shardsafe.load(_template(), ckpt),
+        lambda: shardsafe.load_metadata(ckpt),
+        lambda: CheckpointReader(ckpt),
+    ):
         with pytest.raises(CorruptCheckpointError) as info:
             fn()
         msg = str(info.value)
@@ -468,7 +600,18 @@ def test_malformed_manifest_is_corrupt(ckpt, mutate, names):
             assert part in msg, (part, msg)
 
 
-@pytest.mark.parametrize("bad", ["../../etc/passwd", "../secret.bin", "/etc/passwd", "data/../../secret.bin", "data/x/../../../secret.bin", "data/.hidden", "data\\..\\secret.bin"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "../../etc/passwd",
+        "../secret.bin",
+        "/etc/passwd",
+        "data/../../secret.bin",
+        "data/x/../../../secret.bin",
+        "data/.hidden",
+        "data\\..\\secret.bin",
+    ],
+)
 @pytest.mark.parametrize("where", ["files", "extent"])
 def test_data_file_name_escaping_the_directory_refused(ckpt, tmp_path, monkeypatch, bad, where):
     (tmp_path / "secret.bin").write_bytes(bytes(4096))
@@ -521,12 +664,16 @@ def test_flipped_byte_is_a_checksum_mismatch_naming_key_and_file(ckpt):
     with pytest.raises(CorruptCheckpointError, match=r"tensor 'w'.*checksum mismatch"):
         CheckpointReader(ckpt).read_tensor("w")
     report = CheckpointReader(ckpt).verify()
-    assert not report.ok and any("tensor 'w'" in p and "checksum mismatch" in p for p in report.problems)
+    assert not report.ok and any(
+        "tensor 'w'" in p and "checksum mismatch" in p for p in report.problems
+    )
 
 
 def test_flipped_byte_in_a_common_state_blob(tmp_path):
     path = tmp_path / "ck"
-    shardsafe.save({"t": torch.arange(4), "step": 1}, path)  # a common-state tensor is stored as a blob
+    shardsafe.save(
+        {"t": torch.arange(4), "step": 1}, path
+    )  # a common-state tensor is stored as a blob
     ((blob_id, extent),) = _manifest(path)["blobs"].items()
     _flip_byte(path / extent["file"], extent["byte_offset"])
     with pytest.raises(CorruptCheckpointError) as info:
@@ -557,7 +704,9 @@ def test_deleted_data_file(ckpt):
     assert "earlier" in msg or "restore" in msg
     assert any(DATA in q and "missing" in q for q in CheckpointReader(ckpt).verify().problems)
     # a request that touches no data file still works
-    assert shardsafe.load({"rng": ShardedObject("rng", None, (1,), (0,))}, ckpt)["rng"] == {"seed": 1}
+    assert shardsafe.load({"rng": ShardedObject("rng", None, (1,), (0,))}, ckpt)["rng"] == {
+        "seed": 1
+    }
 
 
 # --------------------------------------------------------------------------- unsafe pickles
@@ -625,7 +774,11 @@ def test_missing_key_with_close_match(ckpt):
         shardsafe.load({"w": ST.from_rank_offsets("ww", torch.zeros(4, 4))}, ckpt)
     assert isinstance(info.value, KeyError)
     msg = str(info.value)
-    assert "['ww']" in msg and "closest stored keys to 'ww': ['w']" in msg and "strict='log_unexpected'" in msg
+    assert (
+        "['ww']" in msg
+        and "closest stored keys to 'ww': ['w']" in msg
+        and "strict='log_unexpected'" in msg
+    )
     with pytest.raises(MissingKeyError, match=r"rng/shard_0_2"):
         shardsafe.load({"o": ShardedObject("rng", None, (2,), (0,))}, ckpt)
     with pytest.raises(MissingKeyError, match="no tensor 'nope'"):
@@ -638,7 +791,9 @@ def test_shape_mismatch(ckpt):
     with pytest.raises(IncompatibleRequestError) as info:
         shardsafe.load({"w": ST.from_rank_offsets("w", torch.zeros(4, 6))}, ckpt)
     msg = str(info.value)
-    assert "'w'" in msg and "[4, 4]" in msg and "[4, 6]" in msg and "allow_shape_mismatch=True" in msg
+    assert (
+        "'w'" in msg and "[4, 4]" in msg and "[4, 6]" in msg and "allow_shape_mismatch=True" in msg
+    )
     # a piece of a differently sized tensor is refused too, even when the piece itself fits
     with pytest.raises(IncompatibleRequestError, match=r"'w'.*\[6, 4\].*allow_shape_mismatch"):
         shardsafe.load({"w": ST.from_global_offset("w", torch.zeros(2, 4), (6, 4), (0, 0))}, ckpt)
@@ -658,18 +813,36 @@ def test_allow_shape_mismatch_loads_the_overlap_and_zero_fills(ckpt):
     want = torch.zeros(3, 3)
     want[0, 0] = W[3, 3]
     assert torch.equal(got, want)
-    smaller = shardsafe.load({"w": ST.from_rank_offsets("w", torch.zeros(2, 3), allow_shape_mismatch=True)}, ckpt)["w"]
+    smaller = shardsafe.load(
+        {"w": ST.from_rank_offsets("w", torch.zeros(2, 3), allow_shape_mismatch=True)}, ckpt
+    )["w"]
     assert torch.equal(smaller, W[:2, :3])
     with pytest.raises(IncompatibleRequestError, match=r"'w'.*2 axes.*3"):
-        shardsafe.load({"w": ST.from_rank_offsets("w", torch.zeros(4, 4, 1), allow_shape_mismatch=True)}, ckpt)
+        shardsafe.load(
+            {"w": ST.from_rank_offsets("w", torch.zeros(4, 4, 1), allow_shape_mismatch=True)}, ckpt
+        )
 
 
 def test_dtype_mismatch(ckpt):
     with pytest.raises(IncompatibleRequestError) as info:
-        shardsafe.load({"w": ST.from_rank_offsets("w", torch.zeros(4, 4, dtype=torch.float64))}, ckpt)
+        shardsafe.load(
+            {"w": ST.from_rank_offsets("w", torch.zeros(4, 4, dtype=torch.float64))}, ckpt
+        )
     msg = str(info.value)
-    assert "'w'" in msg and "float32" in msg and "torch.float64" in msg and "allow_shape_mismatch=True" in msg
-    out = shardsafe.load({"w": ST.from_rank_offsets("w", torch.zeros(4, 4, dtype=torch.float64), allow_shape_mismatch=True)}, ckpt)
+    assert (
+        "'w'" in msg
+        and "float32" in msg
+        and "torch.float64" in msg
+        and "allow_shape_mismatch=True" in msg
+    )
+    out = shardsafe.load(
+        {
+            "w": ST.from_rank_offsets(
+                "w", torch.zeros(4, 4, dtype=torch.float64), allow_shape_mismatch=True
+            )
+        },
+        ckpt,
+    )
     assert out["w"].dtype == torch.float64 and torch.equal(out["w"], W.double())
 
 
@@ -678,13 +851,23 @@ def test_dtype_mismatch(ckpt):
 
 def _request_a_and_c():
     """Checkpoint holds w, b, rng: requesting w and 'c' leaves b and rng missing and c unexpected."""
-    return {"w": ST.from_rank_offsets("w", torch.zeros(4, 4)), "c": ST.from_rank_offsets("c", torch.zeros(2))}
+    return {
+        "w": ST.from_rank_offsets("w", torch.zeros(4, 4)),
+        "c": ST.from_rank_offsets("c", torch.zeros(2)),
+    }
 
 
 MISSING = {"b", "rng/shard_0_1"}
 
 
-@pytest.mark.parametrize("mode", [StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        StrictHandling.ASSUME_OK_UNEXPECTED,
+        StrictHandling.RAISE_UNEXPECTED,
+        StrictHandling.RAISE_ALL,
+    ],
+)
 def test_strict_raise_on_unexpected(ckpt, mode):
     with pytest.raises(MissingKeyError, match=r"\['c'\]"):
         shardsafe.load(_request_a_and_c(), ckpt, strict=mode)
@@ -692,13 +875,25 @@ def test_strict_raise_on_unexpected(ckpt, mode):
 
 def test_strict_raise_all_on_missing(ckpt):
     with pytest.raises(MissingKeyError) as info:
-        shardsafe.load({"w": ST.from_rank_offsets("w", torch.zeros(4, 4))}, ckpt, strict="raise_all")
+        shardsafe.load(
+            {"w": ST.from_rank_offsets("w", torch.zeros(4, 4))}, ckpt, strict="raise_all"
+        )
     msg = str(info.value)
-    assert "requested by no rank" in msg and "'b'" in msg and "'rng/shard_0_1'" in msg and str(ckpt) in msg
+    assert (
+        "requested by no rank" in msg
+        and "'b'" in msg
+        and "'rng/shard_0_1'" in msg
+        and str(ckpt) in msg
+    )
     assert "strict=" in msg  # says how to accept it
     # the default and RAISE_UNEXPECTED accept missing keys
     for mode in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.RAISE_UNEXPECTED):
-        assert torch.equal(shardsafe.load({"w": ST.from_rank_offsets("w", torch.zeros(4, 4))}, ckpt, strict=mode)["w"], W)
+        assert torch.equal(
+            shardsafe.load({"w": ST.from_rank_offsets("w", torch.zeros(4, 4))}, ckpt, strict=mode)[
+                "w"
+            ],
+            W,
+        )
     # everything requested: nothing to complain about
     out = shardsafe.load(_template(), ckpt, strict=StrictHandling.RAISE_ALL)
     assert torch.equal(out["w"], W) and out["rng"] == {"seed": 1} and out["step"] == 7
@@ -742,7 +937,10 @@ def test_strict_unknown_mode():
 
 def _cli(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "shardsafe", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "shardsafe", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
@@ -781,8 +979,12 @@ def test_cli_verify_and_inspect_exit_codes(ckpt, tmp_path):
 
     rc, out, err = results["inspect"]
     assert rc == 2, (out, err)
-    assert "error:" in err and "not a checkpoint directory" in err and "manifest.json" in err and "Traceback" not in err
-
+    assert (
+        "error:" in err
+        and "not a checkpoint directory" in err
+        and "manifest.json" in err
+        and "Traceback" not in err
+    )
 
 
 def test_cli_messages_in_process(ckpt, tmp_path, capsys):

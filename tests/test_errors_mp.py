@@ -51,7 +51,11 @@ def _record(fn) -> dict | None:
     try:
         fn()
     except Exception as e:
-        return {"type": type(e).__name__, "checkpoint_error": isinstance(e, CheckpointError), "message": str(e)}
+        return {
+            "type": type(e).__name__,
+            "checkpoint_error": isinstance(e, CheckpointError),
+            "message": str(e),
+        }
     return None
 
 
@@ -119,7 +123,10 @@ def _sd_r1_no_data(rank):
 
 def _sd_r1_factory(rank):
     if rank == 1:
-        return {"w": _rows(rank), "f": ShardedTensorFactory("fused", torch.zeros(2), _raising_build, _merge)}
+        return {
+            "w": _rows(rank),
+            "f": ShardedTensorFactory("fused", torch.zeros(2), _raising_build, _merge),
+        }
     return {"w": _rows(rank)}
 
 
@@ -232,16 +239,34 @@ def _scenarios(rank: int, world: int, base: str) -> dict:
             "rng": ShardedObject("rng", None, (WORLD,), (rank,)),
         }
 
-    rec["load_r1_missing"] = _record(lambda: shardsafe.load(template(rank, "ww" if rank == 1 else "w"), ck))
-    rec["load_r1_shape"] = _record(lambda: shardsafe.load(template(rank, shape=(8, 6) if rank == 1 else (8, 4)), ck))
+    rec["load_r1_missing"] = _record(
+        lambda: shardsafe.load(template(rank, "ww" if rank == 1 else "w"), ck)
+    )
+    rec["load_r1_shape"] = _record(
+        lambda: shardsafe.load(template(rank, shape=(8, 6) if rank == 1 else (8, 4)), ck)
+    )
     rec["load_r1_dtype"] = _record(
-        lambda: shardsafe.load({"w": ST.from_global_offset("w", torch.zeros(4, 4, dtype=torch.float64 if rank else torch.float32), (8, 4), (4 * rank, 0))}, ck)
+        lambda: shardsafe.load(
+            {
+                "w": ST.from_global_offset(
+                    "w",
+                    torch.zeros(4, 4, dtype=torch.float64 if rank else torch.float32),
+                    (8, 4),
+                    (4 * rank, 0),
+                )
+            },
+            ck,
+        )
     )
     # strict: the checkpoint's keys are w, b, rng/shard_0_2, rng/shard_1_2; missing is judged over all ranks
     split = {k: v for k, v in template(rank).items() if k != ("b" if rank == 0 else "w")}
-    rec["load_raise_all_split"] = _record(lambda: shardsafe.load(split, ck, strict=StrictHandling.RAISE_ALL))
+    rec["load_raise_all_split"] = _record(
+        lambda: shardsafe.load(split, ck, strict=StrictHandling.RAISE_ALL)
+    )
     no_b = {k: v for k, v in template(rank).items() if k != "b"}
-    rec["load_raise_all_missing"] = _record(lambda: shardsafe.load(no_b, ck, strict=StrictHandling.RAISE_ALL))
+    rec["load_raise_all_missing"] = _record(
+        lambda: shardsafe.load(no_b, ck, strict=StrictHandling.RAISE_ALL)
+    )
     extra = {**no_b, "c": ST.from_rank_offsets("c", torch.zeros(2))} if rank == 1 else no_b
     _, missing, unexpected = shardsafe.load(extra, ck, strict=StrictHandling.RETURN_ALL)
     returned = {"missing": sorted(missing), "unexpected": sorted(unexpected)}
@@ -257,7 +282,9 @@ def _scenarios(rank: int, world: int, base: str) -> dict:
             f.seek(piece.extent.byte_offset + 3)
             f.write(bytes([byte[0] ^ 0x01]))
     dist.barrier()
-    rec["load_r1_corrupt"] = _record(lambda: shardsafe.load({"w": _rows(rank, data=torch.zeros(4, 4))}, ck))
+    rec["load_r1_corrupt"] = _record(
+        lambda: shardsafe.load({"w": _rows(rank, data=torch.zeros(4, 4))}, ck)
+    )
     total = torch.tensor([1.0])
     dist.all_reduce(total)
     return {
@@ -302,11 +329,20 @@ def _check_names(msg: str, names: list[str]) -> None:
         ("two_mains", ["'w'", "main replica", "ranks 0, 1", "non-zero replica ids"]),
         ("overlap", ["'w'", "overlaps", "(rank 0)", "(rank 1)", "(0, 0)", "(2, 0)", "replica_id"]),
         ("gap", ["'w'", "8 of 16", "index (2, 0)", "some rank is missing its piece"]),
-        ("shape", ["'w'", "disagree", "rank 0 declare float32 [4, 4]", "rank 1 declare float32 [6, 4]"]),
+        (
+            "shape",
+            ["'w'", "disagree", "rank 0 declare float32 [4, 4]", "rank 1 declare float32 [6, 4]"],
+        ),
         ("dtype", ["'w'", "disagree", "rank 0 declare float32", "rank 1 declare bfloat16"]),
-        ("grid_incomplete", ["'rng'", "2 of the 3 cells", "every cell of the grid needs one main replica"]),
+        (
+            "grid_incomplete",
+            ["'rng'", "2 of the 3 cells", "every cell of the grid needs one main replica"],
+        ),
         ("grid_disagrees", ["'rng'", "disagree", "rank 0 use [2]", "rank 1 use [3]"]),
-        ("object_two_mains", ["'rng/shard_0_1'", "ranks 0, 1", "exactly one holder must be the main replica"]),
+        (
+            "object_two_mains",
+            ["'rng/shard_0_1'", "ranks 0, 1", "exactly one holder must be the main replica"],
+        ),
     ],
 )
 def test_invalid_sharding_raises_the_same_validation_error_on_every_rank(results, name, names):
@@ -321,11 +357,31 @@ def test_invalid_sharding_raises_the_same_validation_error_on_every_rank(results
 @pytest.mark.parametrize(
     ("name", "kind", "names"),
     [
-        ("r1_lock_object", "CheckpointError", ["cannot store", "_thread.lock", "on rank 1 during save"]),
-        ("r1_lambda_object", "CheckpointError", ["cannot store", "function", "on rank 1 during save"]),
-        ("r1_unsupported_dtype", "CheckpointError", ["complex32", "cannot be checkpointed", "on rank 1 during save planning"]),
-        ("r1_no_data", "ValidationError", ["'w'", "without data", "on rank 1 during save planning"]),
-        ("r1_factory", "CheckpointError", ["build of fused failed here", "on rank 1 during save planning"]),
+        (
+            "r1_lock_object",
+            "CheckpointError",
+            ["cannot store", "_thread.lock", "on rank 1 during save"],
+        ),
+        (
+            "r1_lambda_object",
+            "CheckpointError",
+            ["cannot store", "function", "on rank 1 during save"],
+        ),
+        (
+            "r1_unsupported_dtype",
+            "CheckpointError",
+            ["complex32", "cannot be checkpointed", "on rank 1 during save planning"],
+        ),
+        (
+            "r1_no_data",
+            "ValidationError",
+            ["'w'", "without data", "on rank 1 during save planning"],
+        ),
+        (
+            "r1_factory",
+            "CheckpointError",
+            ["build of fused failed here", "on rank 1 during save planning"],
+        ),
     ],
 )
 def test_failure_on_one_rank_raises_on_every_rank(results, name, kind, names):
@@ -341,7 +397,10 @@ def test_failure_on_one_rank_raises_on_every_rank(results, name, kind, names):
 def test_data_dtype_changed_on_one_rank_raises_on_every_rank(results):
     rec = _same_everywhere(results, "r1_dtype_changed")
     assert rec["type"] == "ValidationError"
-    _check_names(rec["message"], ["w: data dtype torch.float64", "declared dtype torch.float32", "on rank 1 during save"])
+    _check_names(
+        rec["message"],
+        ["w: data dtype torch.float64", "declared dtype torch.float32", "on rank 1 during save"],
+    )
     for r in results:
         assert r["listings"]["r1_dtype_changed"] == []
 
@@ -350,7 +409,9 @@ def test_data_dtype_changed_on_one_rank_raises_on_every_rank(results):
 def test_lock_existing_path_overwrite_and_recovery(results):
     rec = _same_everywhere(results, "lock")
     assert rec["type"] == "CheckpointExistsError"
-    _check_names(rec["message"], ["another save", ".ck.shardsafe-lock", "delete that lock file", "rank 0"])
+    _check_names(
+        rec["message"], ["another save", ".ck.shardsafe-lock", "delete that lock file", "rank 0"]
+    )
     for r in results:
         assert r["listings"]["lock"] == [".ck.shardsafe-lock"]  # a live lock is left alone
         # after every failure above, the same processes saved into the same path
@@ -368,19 +429,30 @@ def test_lock_existing_path_overwrite_and_recovery(results):
 def test_load_problem_on_one_rank_raises_on_every_rank(results):
     rec = _same_everywhere(results, "load_r1_missing")
     assert rec["type"] == "MissingKeyError"
-    _check_names(rec["message"], ["['ww']", "closest stored keys to 'ww': ['w']", "on rank 1 during load"])
+    _check_names(
+        rec["message"], ["['ww']", "closest stored keys to 'ww': ['w']", "on rank 1 during load"]
+    )
 
     rec = _same_everywhere(results, "load_r1_shape")
     assert rec["type"] == "IncompatibleRequestError"
-    _check_names(rec["message"], ["'w'", "[8, 4]", "[8, 6]", "allow_shape_mismatch=True", "on rank 1 during load"])
+    _check_names(
+        rec["message"],
+        ["'w'", "[8, 4]", "[8, 6]", "allow_shape_mismatch=True", "on rank 1 during load"],
+    )
 
     rec = _same_everywhere(results, "load_r1_dtype")
     assert rec["type"] == "IncompatibleRequestError"
-    _check_names(rec["message"], ["'w'", "float32", "torch.float64", "allow_shape_mismatch", "on rank 1 during load"])
+    _check_names(
+        rec["message"],
+        ["'w'", "float32", "torch.float64", "allow_shape_mismatch", "on rank 1 during load"],
+    )
 
     rec = _same_everywhere(results, "load_r1_corrupt")
     assert rec["type"] == "CorruptCheckpointError"
-    _check_names(rec["message"], ["tensor 'w'", "checksum mismatch", "data/rank-00001-00.bin", "on rank 1 during load"])
+    _check_names(
+        rec["message"],
+        ["tensor 'w'", "checksum mismatch", "data/rank-00001-00.bin", "on rank 1 during load"],
+    )
 
 
 @pytest.mark.timeout(120)
@@ -401,9 +473,15 @@ def test_strict_handling_judges_missing_keys_over_all_ranks(results):
 def test_different_failures_on_several_ranks_name_each_rank(results):
     rec = _same_everywhere(results, "both_differ")
     assert rec["type"] == "DistributedError"
-    _check_names(rec["message"], [
-        "save planning failed on ranks 0, 1", "rank 0: ValidationError: 'w': a ShardedTensor without data",
-        "rank 1: ", "TypeError", "tensors of dtype torch.complex32",
-    ])
+    _check_names(
+        rec["message"],
+        [
+            "save planning failed on ranks 0, 1",
+            "rank 0: ValidationError: 'w': a ShardedTensor without data",
+            "rank 1: ",
+            "TypeError",
+            "tensors of dtype torch.complex32",
+        ],
+    )
     for r in results:
         assert r["listings"]["both_differ"] == []
