@@ -11,15 +11,9 @@ import pytest
 import torch
 
 import shardsafe
-from shardsafe import engine
-from shardsafe.engine import (
-    CacheAwareReader,
-    DataReader,
-    aligned_empty,
-    open_data_file,
-    wants_direct,
-    write_data_file,
-)
+from shardsafe import directio
+from shardsafe.directio import CacheAwareReader, aligned_empty, open_data_file, wants_direct
+from shardsafe.engine import DataReader, write_data_file
 from shardsafe.storage.local import LocalStorage
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
@@ -60,16 +54,16 @@ def test_direct_and_buffered_files_are_identical(tmp_path, seed):
     storage = LocalStorage(str(tmp_path))
     with open_data_file(storage, "direct.bin", direct=True) as f:
         # tmpfs refuses O_DIRECT and gets a buffered file: the comparison below still holds
-        assert not isinstance(f, engine.DirectWriter) or f.direct
+        assert not isinstance(f, directio.DirectWriter) or f.direct
     os.remove(tmp_path / "direct.bin")
     got = {}
     for mode in ("never", "always"):
-        old = engine.DIRECT_IO
-        engine.DIRECT_IO = mode
+        old = directio.DIRECT_IO
+        directio.DIRECT_IO = mode
         try:
             got[mode] = write_data_file(storage, f"data/{mode}.bin", items, 1 << 20)
         finally:
-            engine.DIRECT_IO = old
+            directio.DIRECT_IO = old
     (ext_b, size_b), (ext_d, size_d) = got["never"], got["always"]
     assert size_b == size_d == os.path.getsize(tmp_path / "data/always.bin")
     assert {k: (e.byte_offset, e.nbytes, e.checksums) for k, e in ext_b.items()} == {
@@ -83,9 +77,11 @@ def test_auto_mode_uses_direct_io_only_for_page_aligned_sources(tmp_path):
     arena = aligned_empty(2 << 20)
     unaligned = arena[64:]  # what a tensor's memory usually looks like
     staged = [("a", memoryview(arena[: 1 << 20])), ("s", memoryview(b"x" * 10))]
-    assert wants_direct(storage, staged) == (engine.DIRECT_IO != "never")
-    assert not wants_direct(storage, [("a", memoryview(unaligned))]) or engine.DIRECT_IO == "always"
-    assert not wants_direct(storage, [("s", memoryview(b"tiny"))]) or engine.DIRECT_IO == "always"
+    assert wants_direct(storage, staged) == (directio.DIRECT_IO != "never")
+    assert (
+        not wants_direct(storage, [("a", memoryview(unaligned))]) or directio.DIRECT_IO == "always"
+    )
+    assert not wants_direct(storage, [("s", memoryview(b"tiny"))]) or directio.DIRECT_IO == "always"
 
 
 def test_cache_aware_reads_cold_partly_cached_and_cached(tmp_path):
@@ -114,7 +110,7 @@ def test_cache_aware_reads_cold_partly_cached_and_cached(tmp_path):
                 reader.read_into(len(data) - (1 << 20), memoryview(bytearray(2 << 20)))
             if state == "cold" and reader._direct:
                 # read with O_DIRECT: the bytes did not go through the page cache
-                resident = engine._Residency(reader.fd)
+                resident = directio._Residency(reader.fd)
                 assert resident.cached_prefix(0, 4 << 20) == 0
                 resident.close()
         finally:

@@ -9,34 +9,26 @@ a bounded scratch buffer. Every block read is verified against its checksum.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
-import fcntl
 import math
-import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from . import directio
 from .checksum import block_checksums, digest
 from .codec import array_view
+from .directio import CacheAwareReader, aligned_empty, open_data_file, wants_direct
 from .errors import CheckpointError, CorruptCheckpointError
-from .format import Extent, StoredPiece
+from .format import LARGE_ALIGN, LARGE_ITEM, SMALL_ALIGN, Extent, StoredPiece
 from .geometry import Box, flat_index, intersect, is_contiguous_in, strides
-from .storage.base import ByteWriter, RandomReader, Storage
-from .storage.local import LocalStorage
+from .storage.base import RandomReader, Storage
 
-SMALL_ALIGN = 64
-LARGE_ALIGN = 4096
-LARGE_ITEM = 64 << 10
 DEFAULT_MAX_BUFFER = 16 << 20  # per reader thread; bounds the extra memory of a resharding load
 _ZEROS = bytes(LARGE_ALIGN)
 _RESTORE = "restore this checkpoint from a copy or load an earlier one"
@@ -74,7 +66,11 @@ def write_data_file(
     extents: dict[Any, Extent] = {}
     pos = 0
     # a stream of items (converters) is never held in memory to decide: the page cache
-    direct = wants_direct(storage, items) if isinstance(items, Sequence) else DIRECT_IO == "always"
+    direct = (
+        wants_direct(storage, items)
+        if isinstance(items, Sequence)
+        else directio.DIRECT_IO == "always"
+    )
     with open_data_file(storage, rel, direct) as f:
         for ident, data in items:
             nbytes = len(memoryview(data).cast("B")) if isinstance(data, memoryview) else len(data)
@@ -89,362 +85,6 @@ def write_data_file(
             if on_bytes is not None:
                 on_bytes(nbytes)
     return extents, pos
-
-
-# --------------------------------------------------------------------------- direct I/O
-
-_MODE = os.environ.get("SHARDSAFE_DIRECT_IO", "auto").strip().lower()
-DIRECT_IO: str = (
-    "never"
-    if not hasattr(os, "O_DIRECT") or _MODE in ("0", "never", "off", "false")
-    else "always"
-    if _MODE in ("1", "always", "on", "true")
-    else "auto"
-)
-"""When local data files bypass the page cache (``SHARDSAFE_DIRECT_IO``: auto, always, never).
-
-``auto`` writes a file with ``O_DIRECT`` when its large items sit in page-aligned memory:
-the host staging arena of an async save. Those bytes then go from the arena to the device
-without a copy, and the background writer neither spends CPU copying them into cache pages
-nor grows the page cache under the training job. A blocking save writes from the tensors
-themselves through the page cache, which keeps the new checkpoint cached for an immediate
-reload. Reads take what the page cache holds from it and the rest of a large read with
-``O_DIRECT``, instead of filling cache pages with bytes read once. File systems that
-refuse direct I/O fall back to buffered I/O by themselves.
-"""
-DIRECT_ALIGN = 4096
-_BOUNCE_BYTES = 4 << 20
-_DIRECT_CHUNK = 64 << 20  # largest single direct transfer
-_DIRECT_MIN_READ = 1 << 20  # smaller reads always go through the page cache
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 array (anonymous mapping), so direct I/O can use it in place."""
-    buf = mmap.mmap(-1, max(nbytes, 1))
-    return np.frombuffer(buf, dtype=np.uint8, count=nbytes)
-
-
-def address(arr: np.ndarray) -> int:
-    return int(arr.__array_interface__["data"][0])
-
-
-def _view_address(data: memoryview | bytes) -> int:
-    view = memoryview(data)
-    return address(np.frombuffer(view.cast("B") if view.format != "B" else view, dtype=np.uint8))
-
-
-def wants_direct(storage: Storage, items: Sequence[tuple[Any, memoryview | bytes]]) -> bool:
-    """Whether to write these items with direct I/O (see :data:`DIRECT_IO`)."""
-    if DIRECT_IO == "never" or not isinstance(storage, LocalStorage):
-        return False
-    if DIRECT_IO == "always":
-        return True
-    large = [d for _, d in items if len(memoryview(d).cast("B")) >= LARGE_ITEM]
-    return bool(large) and all(_view_address(d) % DIRECT_ALIGN == 0 for d in large)
-
-
-class _BouncePool:
-    """Aligned transfer buffers, reused across files and saves (one per concurrent transfer)."""
-
-    def __init__(self) -> None:
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def acquire(self) -> np.ndarray:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return aligned_empty(_BOUNCE_BYTES)
-
-    def release(self, buf: np.ndarray) -> None:
-        with self._lock:
-            self._free.append(buf)
-
-
-_BOUNCE = _BouncePool()
-
-
-class DirectWriter:
-    """Sequential writes to an ``O_DIRECT`` descriptor: aligned sources go to the device as they
-    are, everything else through an aligned bounce buffer; the last block is zero-padded and
-    the file truncated to its real size. A file system that rejects a direct write gets the
-    descriptor switched to buffered I/O, and the same bytes again."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.size = 0  # bytes accepted
-        self._pos = 0  # bytes handed to the kernel (a multiple of DIRECT_ALIGN while direct)
-        self._fill = 0  # bytes waiting in the bounce buffer
-        self._buf: np.ndarray | None = _BOUNCE.acquire()
-        self.direct = True
-
-    def write(self, data: memoryview | bytes, /) -> int:
-        view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
-        n = len(view)
-        if not n:
-            return 0
-        buf = self._buf
-        assert buf is not None, "write after release"
-        src = np.frombuffer(view, dtype=np.uint8)
-        base = address(src)
-        cap = len(buf)
-        i = 0
-        while i < n:
-            if (
-                self._fill % DIRECT_ALIGN == 0
-                and (base + i) % DIRECT_ALIGN == 0
-                and n - i >= DIRECT_ALIGN
-            ):
-                if self._fill:
-                    self._flush()
-                k = min((n - i) // DIRECT_ALIGN * DIRECT_ALIGN, _DIRECT_CHUNK)
-                self._pwrite(view[i : i + k])
-                i += k
-                continue
-            take = min(cap - self._fill, n - i)
-            np.copyto(buf[self._fill : self._fill + take], src[i : i + take])
-            self._fill += take
-            i += take
-            if self._fill == cap:
-                self._flush()
-        self.size += n
-        return n
-
-    def _flush(self) -> None:
-        assert self._buf is not None
-        fill = self._fill
-        if self.direct and fill % DIRECT_ALIGN:
-            padded = -(-fill // DIRECT_ALIGN) * DIRECT_ALIGN
-            self._buf[fill:padded] = 0
-            fill = padded
-        self._pwrite(array_view(self._buf[:fill]))
-        self._fill = 0
-
-    def _pwrite(self, view: memoryview) -> None:
-        done = 0
-        while done < len(view):
-            try:
-                done += os.pwrite(self.fd, view[done:], self._pos + done)
-            except OSError as e:
-                if not (self.direct and e.errno == errno.EINVAL):
-                    raise
-                self._buffered()
-        self._pos += done
-
-    def _buffered(self) -> None:
-        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
-        self.direct = False
-
-    def finish(self) -> None:
-        """Write what is buffered, cut the padding off, fsync."""
-        if self._fill:
-            self._flush()
-        if self._pos != self.size:
-            os.ftruncate(self.fd, self.size)
-        os.fsync(self.fd)
-
-    def release(self) -> None:
-        if self._buf is not None:
-            _BOUNCE.release(self._buf)
-            self._buf = None
-
-
-@contextmanager
-def open_data_file(storage: Storage, rel: str, direct: bool = False) -> Iterator[ByteWriter]:
-    """A new data file, with direct I/O if asked and possible, else ``storage.open_write``.
-
-    Same contract as ``open_write``: created exclusively, durable when the block exits
-    cleanly, removed when it raises.
-    """
-    fd = _open_direct(storage, rel) if direct and isinstance(storage, LocalStorage) else None
-    if fd is None:
-        with storage.open_write(rel) as f:
-            yield f
-        return
-    path = storage.path(rel)  # type: ignore[attr-defined]
-    writer = DirectWriter(fd)
-    try:
-        yield writer
-        writer.finish()
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(path)  # never leave a partial file that looks written
-        raise
-    finally:
-        writer.release()
-        os.close(fd)
-
-
-def _open_direct(storage: Storage, rel: str) -> int | None:
-    path = storage.path(rel)  # type: ignore[attr-defined]
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0)
-    try:
-        return os.open(path, flags, 0o644)
-    except OSError as e:
-        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-            return None  # tmpfs and friends: no direct I/O
-        raise
-
-
-class _Residency:
-    """Which pages of one file the page cache holds (``mincore`` on a mapping that is never touched)."""
-
-    _libc: Any = None
-
-    def __init__(self, fd: int) -> None:
-        self.addr = 0
-        self.length = 0
-        size = os.fstat(fd).st_size
-        libc = self._load()
-        if libc is None or size == 0:
-            return
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr is None or addr == ctypes.c_void_p(-1).value:
-            return
-        self.addr, self.length = addr, size
-
-    @classmethod
-    def _load(cls) -> Any:
-        if cls._libc is None:
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.mmap.restype = ctypes.c_void_p
-                libc.mmap.argtypes = [
-                    ctypes.c_void_p,
-                    ctypes.c_size_t,
-                    ctypes.c_int,
-                    ctypes.c_int,
-                    ctypes.c_int,
-                    ctypes.c_long,
-                ]
-                libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-                libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-                cls._libc = libc
-            except (OSError, AttributeError):
-                cls._libc = False
-        return cls._libc or None
-
-    def cached_prefix(self, offset: int, n: int) -> int | None:
-        """How many of the bytes ``[offset, offset + n)`` from the start are cached; None: unknown."""
-        if not self.addr or offset + n > self.length:
-            return None
-        page = mmap.PAGESIZE
-        first = offset // page
-        pages = -(-(offset + n) // page) - first
-        vec = np.empty(pages, dtype=np.uint8)
-        if self._libc.mincore(self.addr + first * page, pages * page, address(vec)) != 0:
-            return None
-        missing = np.flatnonzero((vec & 1) == 0)
-        if not len(missing):
-            return n
-        return max(0, (first + int(missing[0])) * page - offset)
-
-    def close(self) -> None:
-        if self.addr:
-            self._libc.munmap(self.addr, self.length)
-            self.addr = 0
-
-
-class CacheAwareReader:
-    """Wraps a local file reader: what the page cache holds is read through it, the rest of
-    a large read with ``O_DIRECT`` (a second descriptor of the same open file).
-
-    A checkpoint written with direct I/O, or evicted since, is not cached; reading it
-    through the cache would allocate and fill cache pages for bytes read once. Falls back
-    to the plain reader wherever the kernel or the file system declines.
-    """
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.fd: int = inner.fd
-        self.path: str = inner.path
-        self._dfd: int | None = None
-        self._lock = threading.Lock()
-        self._direct = True
-        self._residency: _Residency | None = None
-
-    def read_into(self, offset: int, out: memoryview, /) -> None:
-        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
-        if len(out) < _DIRECT_MIN_READ or not self._direct:
-            self.inner.read_into(offset, out)
-            return
-        cached = self._resident().cached_prefix(offset, len(out))
-        if cached is None or cached == len(out):
-            self.inner.read_into(offset, out)
-            return
-        if cached:
-            self.inner.read_into(offset, out[:cached])
-        dfd = self._direct_fd()
-        if dfd is not None:
-            try:
-                self._read_direct(dfd, offset + cached, out[cached:])
-                return
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._direct = False
-        self.inner.read_into(offset + cached, out[cached:])
-
-    def _resident(self) -> _Residency:
-        with self._lock:
-            if self._residency is None:
-                self._residency = _Residency(self.fd)
-            return self._residency
-
-    def _direct_fd(self) -> int | None:
-        with self._lock:
-            if self._dfd is None and self._direct:
-                try:  # the same file, not the same path: nothing can be swapped in between
-                    self._dfd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_DIRECT)
-                except OSError:
-                    self._direct = False
-            return self._dfd
-
-    def _read_direct(self, dfd: int, offset: int, out: memoryview) -> None:
-        dst = np.frombuffer(out, dtype=np.uint8)
-        base = address(dst)
-        n = len(out)
-        done = 0
-        buf: np.ndarray | None = None
-        try:
-            while done < n:
-                pos = offset + done
-                skip = pos % DIRECT_ALIGN
-                if not skip and (base + done) % DIRECT_ALIGN == 0 and n - done >= DIRECT_ALIGN:
-                    k = min((n - done) // DIRECT_ALIGN * DIRECT_ALIGN, _DIRECT_CHUNK)
-                    got = os.preadv(dfd, [out[done : done + k]], pos)
-                    if got <= 0:
-                        break
-                    done += got
-                    continue
-                if buf is None:
-                    buf = _BOUNCE.acquire()
-                length = min(-(-(skip + n - done) // DIRECT_ALIGN) * DIRECT_ALIGN, len(buf))
-                got = os.preadv(dfd, [array_view(buf[:length])], pos - skip)
-                take = min(got - skip, n - done)
-                if take <= 0:
-                    break
-                np.copyto(dst[done : done + take], buf[skip : skip + take])
-                done += take
-        finally:
-            if buf is not None:
-                _BOUNCE.release(buf)
-        if done < n:
-            raise EOFError(
-                f"{self.path}: wanted {n} bytes at offset {offset}, file ends after {done}"
-            )
-
-    def close(self) -> None:
-        with self._lock:
-            if self._dfd is not None:
-                os.close(self._dfd)
-                self._dfd = None
-            if self._residency is not None:
-                self._residency.close()
-                self._residency = None
-        self.inner.close()
 
 
 def split_balanced(sizes: Sequence[int], bins: int) -> list[list[int]]:
@@ -508,7 +148,7 @@ class DataReader:
             if r is None:
                 try:
                     r = self.storage.open_read(rel)
-                    if DIRECT_IO != "never" and hasattr(r, "fd") and hasattr(r, "path"):
+                    if directio.DIRECT_IO != "never" and hasattr(r, "fd") and hasattr(r, "path"):
                         r = CacheAwareReader(r)
                     self._readers[rel] = r
                 except FileNotFoundError:

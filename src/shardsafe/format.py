@@ -24,6 +24,11 @@ FORMAT_NAME = "shardsafe"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 DATA_DIR = "data"
+SMALL_ALIGN = 64
+"""Every item in a data file starts at a multiple of this many bytes, ..."""
+LARGE_ALIGN = 4096
+"""... items of ``LARGE_ITEM`` bytes or more at a multiple of this (pages, for direct I/O)."""
+LARGE_ITEM = 64 << 10
 _FILE_NAME = re.compile(r"^data/[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
