@@ -130,3 +130,20 @@ def test_async_save_two_ranks(tmp_path):
         assert r.common() == {"step": step}
     assert not (tmp_path / "bad").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step0", "step1", "step2"]
+
+
+def test_staging_budget_stages_and_writes_in_waves(tmp_path):
+    pieces = {f"t{i}": torch.full((64 << 10,), float(i)) for i in range(6)}  # 6 x 256 KiB
+    sd = {k: ShardedTensor.from_rank_offsets(k, v.clone()) for k, v in pieces.items()}
+    saver = shardsafe.Saver(files_per_rank=1, max_staging_bytes=600 << 10)  # two pieces per wave
+    handle = saver.async_save(sd, tmp_path / "w")
+    for st in sd.values():
+        st.data.zero_()
+    stats = handle.result(timeout=60)
+    assert saver.staging.allocated_bytes <= 600 << 10  # never more host memory than the budget
+    assert len(stats.files) == 3  # one data file per wave
+    reader = shardsafe.CheckpointReader(tmp_path / "w")
+    for key, value in pieces.items():
+        assert torch.equal(reader.read_tensor(key), value)
+    assert reader.verify().ok
+    saver.close()

@@ -36,7 +36,9 @@ from .saving import (
     abort,
     encode_share,
     finalize,
+    merge_results,
     plan_save,
+    waves,
     write_share,
 )
 from .sharding import ShardedTensor
@@ -95,11 +97,15 @@ class Saver:
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         timeout: float = 1800.0,
         cache_plan: bool = True,
+        max_staging_bytes: int | None = None,
     ) -> None:
         self.process_group = process_group
         self.files_per_rank = files_per_rank
         self.block_bytes = block_bytes
         self.timeout = timeout
+        # host memory an async save may stage at once; beyond it, waves are staged and written
+        # before async_save returns (the last one is written in the background)
+        self.max_staging_bytes = max_staging_bytes
         self.plan_cache = PlanCache() if cache_plan else None
         self.staging = StagingPool()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-save")
@@ -178,16 +184,34 @@ class Saver:
             sharded_state_dict, path, overwrite, content_metadata
         )
 
-        def stage() -> ShareItems:
+        sizes = [(i, planned.local_plan.pieces[i].nbytes) for i in planned.assignment.pieces]
+        groups = waves(sizes, self.max_staging_bytes)
+        early: list[dict[str, Any]] = []  # records of the waves written before returning
+
+        def stage(pieces: list[int]) -> list[tuple[Any, Any]]:
+            staged = self.staging.stage([_data(planned.split.tensors[i][1]) for i in pieces])
+            return [(("p", i), item) for i, item in zip(pieces, staged, strict=True)]
+
+        def stage_all() -> ShareItems:
+            # with a byte budget, every wave but the last is staged and written before returning
+            for group in groups[:-1]:
+                part = ShareItems(stage(group), {}, None)
+                first = sum(len(r["files"]) for r in early)
+                early.append(
+                    write_share(
+                        planned,
+                        comm.rank,
+                        part,
+                        self.files_per_rank,
+                        self.block_bytes,
+                        first_file=first,
+                    )
+                )
             s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=True)
-            tensors = [_data(planned.split.tensors[i][1]) for i in planned.assignment.pieces]
-            staged = self.staging.stage(tensors)
-            s.items[:0] = [
-                (("p", i), item) for i, item in zip(planned.assignment.pieces, staged, strict=True)
-            ]
+            s.items[:0] = stage(groups[-1])
             return s
 
-        share, err = outcome(stage)
+        share, err = outcome(stage_all)
         channel = StoreChannel(comm, planned.token) if comm.distributed else None
         blocked = time.perf_counter() - t0
         staged_bytes = sum(planned.local_plan.pieces[i].nbytes for i in planned.assignment.pieces)
@@ -207,13 +231,19 @@ class Saver:
                 (None, err)
                 if err is not None
                 else outcome(
-                    lambda: write_share(
-                        planned,
-                        comm.rank,
-                        cast(ShareItems, share),
-                        self.files_per_rank,
-                        self.block_bytes,
-                        _counter(progress, "written"),
+                    lambda: merge_results(
+                        [
+                            *early,
+                            write_share(
+                                planned,
+                                comm.rank,
+                                cast(ShareItems, share),
+                                self.files_per_rank,
+                                self.block_bytes,
+                                _counter(progress, "written"),
+                                first_file=sum(len(r["files"]) for r in early),
+                            ),
+                        ]
                     )
                 )
             )

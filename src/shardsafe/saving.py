@@ -334,14 +334,18 @@ def write_share(
     files_per_rank: int,
     block_bytes: int,
     on_bytes: Callable[[int], None] | None = None,
+    first_file: int = 0,
 ) -> dict[str, Any]:
-    """Write this rank's items into its data files (in parallel); return the extents for the manifest."""
+    """Write this rank's items into its data files (in parallel); return the extents for the manifest.
+
+    Files are numbered from ``first_file``, so a save written in waves gets distinct files.
+    """
     work = work_dir(planned.loc, planned.token)
     items = share.items
     groups = split_balanced([_nbytes(d) for _, d in items], files_per_rank) if items else []
 
     def one(index: int, group: Sequence[int]) -> tuple[str, dict[Any, Extent], int]:
-        name = data_file_name(rank, index)
+        name = data_file_name(rank, first_file + index)
         resolved = [(items[i][0], _resolve(items[i][1])) for i in group]
         ext, size = write_data_file(
             planned.loc.parent, f"{work}/{name}", resolved, block_bytes, on_bytes
@@ -363,12 +367,38 @@ def write_share(
         extents.update(ext)
         files[name] = size
     return {
-        "pieces": {str(i): extents[("p", i)].to_json() for i in planned.assignment.pieces},
+        "pieces": {str(i): e.to_json() for (kind, i), e in extents.items() if kind == "p"},
         "blobs": {bid: e.to_json() for (kind, bid), e in extents.items() if kind == "b"},
         "objects": {str(j): node for j, node in share.objects.items()},
         "files": files,
         "common": share.common,
     }
+
+
+def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One rank's write record from the records of its waves (the last one carries objects/common)."""
+    out: dict[str, Any] = {"pieces": {}, "blobs": {}, "objects": {}, "files": {}, "common": None}
+    for part in parts:
+        for field_name in ("pieces", "blobs", "objects", "files"):
+            out[field_name].update(part[field_name])
+        if part["common"] is not None:
+            out["common"] = part["common"]
+    return out
+
+
+def waves(sizes: Sequence[tuple[int, int]], budget: int | None) -> list[list[int]]:
+    """Piece indices grouped in order so each group's bytes fit ``budget`` (a bigger piece goes alone)."""
+    if budget is None:
+        return [[i for i, _ in sizes]]
+    out: list[list[int]] = [[]]
+    used = 0
+    for index, nbytes in sizes:
+        if out[-1] and used + nbytes > budget:
+            out.append([])
+            used = 0
+        out[-1].append(index)
+        used += nbytes
+    return out
 
 
 def _resolve(data: Any) -> Any:
