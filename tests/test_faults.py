@@ -34,6 +34,7 @@ from faultinject import (
     patch_quota,
     patch_slow_data_writes,
 )
+from stepstate import StepState
 
 import shardsafe
 from shardsafe import (
@@ -43,7 +44,6 @@ from shardsafe import (
     CheckpointReader,
     IncompleteCheckpointError,
     Saver,
-    ShardedObject,
     ShardedTensor,
 )
 from shardsafe.manager import CheckpointManager
@@ -58,57 +58,13 @@ SLACK = 15.0  # scheduling noise allowed on top of it (a hang would take the gro
 # --------------------------------------------------------------------------- state dicts
 
 
-def full_w(step: int) -> torch.Tensor:
-    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + step
-
-
-def rank_state(rank: int, step: int) -> dict[str, Any]:
-    """Rows split over the ranks (TP2), a replicated bias, one object per rank, common state."""
-    half = ROWS // WORLD
-    return {
-        "w": ST.from_rank_offsets(
-            "w", full_w(step)[rank * half : (rank + 1) * half].clone(), (0, rank, WORLD)
-        ),
-        "b": ST.from_rank_offsets("b", torch.arange(8) + step, replica_id=rank),
-        "rng": ShardedObject("rng", {"seed": rank, "step": step}, (WORLD,), (rank,)),
-        "step": step,
-    }
-
-
-def rank_template(rank: int) -> dict[str, Any]:
-    half = ROWS // WORLD
-    return {
-        "w": ST.from_rank_offsets("w", torch.zeros(half, COLS), (0, rank, WORLD)),
-        "b": ST.from_rank_offsets("b", torch.zeros(8, dtype=torch.int64), replica_id=rank),
-        "rng": ShardedObject("rng", None, (WORLD,), (rank,)),
-    }
-
-
-def whole_state(step: int) -> dict[str, Any]:
-    """The same checkpoint content, saved by one process."""
-    return {
-        "w": ST.from_rank_offsets("w", full_w(step)),
-        "b": ST.from_rank_offsets("b", torch.arange(8) + step),
-        "rng": [
-            ShardedObject("rng", {"seed": r, "step": step}, (WORLD,), (r,)) for r in range(WORLD)
-        ],
-        "step": step,
-    }
-
-
-def whole_template() -> dict[str, Any]:
-    return {
-        "w": ST.from_rank_offsets("w", torch.zeros(ROWS, COLS)),
-        "b": ST.from_rank_offsets("b", torch.zeros(8, dtype=torch.int64)),
-        "rng": [ShardedObject("rng", None, (WORLD,), (r,)) for r in range(WORLD)],
-    }
-
-
-def assert_holds_step(out: dict[str, Any], step: int) -> None:
-    assert torch.equal(out["w"], full_w(step))
-    assert torch.equal(out["b"], torch.arange(8) + step)
-    assert out["rng"] == [{"seed": r, "step": step} for r in range(WORLD)]
-    assert out["step"] == step
+STATE = StepState(ROWS, COLS, WORLD)
+full_w = STATE.full_w
+rank_state = STATE.rank_state
+rank_template = STATE.rank_template
+whole_state = STATE.whole_state
+whole_template = STATE.whole_template
+assert_holds_step = STATE.assert_holds_step
 
 
 def record(fn: Callable[[], Any]) -> dict[str, Any] | None:

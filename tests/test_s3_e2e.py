@@ -20,6 +20,7 @@ import torch
 from distributed import RankFailure, run_ranks
 from faultinject import kill_self, patch_data_writes
 from s3server import S3Server
+from stepstate import StepState
 
 import shardsafe
 from shardsafe import (
@@ -40,46 +41,12 @@ TIMEOUT = 6.0  # Saver timeout of the save that loses a rank
 SLACK = 20.0
 
 
-def full_w(step: int) -> torch.Tensor:
-    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + step
-
-
-def rank_state(rank: int, step: int) -> dict[str, Any]:
-    half = ROWS // WORLD
-    return {
-        "w": ST.from_rank_offsets(
-            "w", full_w(step)[rank * half : (rank + 1) * half].clone(), (0, rank, WORLD)
-        ),
-        "b": ST.from_rank_offsets("b", torch.arange(8) + step, replica_id=rank),
-        "rng": ShardedObject("rng", {"seed": rank, "step": step}, (WORLD,), (rank,)),
-        "step": step,
-    }
-
-
-def whole_state(step: int) -> dict[str, Any]:
-    return {
-        "w": ST.from_rank_offsets("w", full_w(step)),
-        "b": ST.from_rank_offsets("b", torch.arange(8) + step),
-        "rng": [
-            ShardedObject("rng", {"seed": r, "step": step}, (WORLD,), (r,)) for r in range(WORLD)
-        ],
-        "step": step,
-    }
-
-
-def whole_template() -> dict[str, Any]:
-    return {
-        "w": ST.from_rank_offsets("w", torch.zeros(ROWS, COLS)),
-        "b": ST.from_rank_offsets("b", torch.zeros(8, dtype=torch.int64)),
-        "rng": [ShardedObject("rng", None, (WORLD,), (r,)) for r in range(WORLD)],
-    }
-
-
-def assert_holds_step(out: dict[str, Any], step: int) -> None:
-    assert torch.equal(out["w"], full_w(step))
-    assert torch.equal(out["b"], torch.arange(8) + step)
-    assert out["rng"] == [{"seed": r, "step": step} for r in range(WORLD)]
-    assert out["step"] == step
+STATE = StepState(ROWS, COLS, WORLD)
+full_w = STATE.full_w
+rank_state = STATE.rank_state
+whole_state = STATE.whole_state
+whole_template = STATE.whole_template
+assert_holds_step = STATE.assert_holds_step
 
 
 def manifest_spy(seen: list[list[str]]) -> Callable[[FsspecStorage, str, bytes], None]:
