@@ -38,14 +38,11 @@ from typing import Any
 from shardsafe.checksum import DEFAULT_BLOCK_BYTES, block_count
 from shardsafe.format import (
     Extent,
-    FileEntry,
     Manifest,
-    ObjectEntry,
-    StoredPiece,
-    TensorEntry,
     data_file_name,
 )
 from shardsafe.planning import GlobalPlan, LocalPlan, ObjectDesc, PieceDesc, make_global_plan
+from shardsafe.saving import assemble
 
 
 @dataclass(frozen=True)
@@ -210,52 +207,39 @@ def build_plans(cfg: Config) -> list[LocalPlan]:
 def manifest_for(
     plans: list[LocalPlan], plan: GlobalPlan, block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> Manifest:
-    """The manifest ``saving.assemble`` would write, with dummy extents and checksums."""
-    pieces: dict[str, list[StoredPiece]] = {key: [] for key in plan.tensors}
-    files: dict[str, FileEntry] = {}
-    objects: dict[str, ObjectEntry] = {}
-    blobs: dict[str, Extent] = {}
+    """The manifest ``saving.assemble`` writes, from per-rank write records with dummy checksums."""
     dummy = "0123456789abcdef"
+    results = []
     for lp, assignment in zip(plans, plan.assignments, strict=True):
         pos = [0, 0]
+        record: dict[str, Any] = {
+            "pieces": {},
+            "blobs": {},
+            "objects": {},
+            "files": {},
+            "common": None,
+        }
         for n, i in enumerate(assignment.pieces):
             d = lp.pieces[i]
             f = n % 2
             name = data_file_name(lp.rank, f)
-            ext = Extent(name, pos[f], d.nbytes, (dummy,) * block_count(d.nbytes, block_bytes))
+            sums = (dummy,) * block_count(d.nbytes, block_bytes)
+            record["pieces"][str(i)] = Extent(name, pos[f], d.nbytes, sums).to_json()
             pos[f] += -(-d.nbytes // 4096) * 4096
-            pieces[d.key].append(StoredPiece(d.offset, d.shape, d.flat, ext))
         for j in assignment.objects:
-            o = lp.objects[j]
             blob = f"r{lp.rank}.o{j}.0"
-            objects[o.unique_key] = ObjectEntry(
-                o.key,
-                o.global_shape,
-                o.global_offset,
-                {"$tensor": {"dtype": "uint8", "shape": [5064], "blob": blob}},
-            )
-            blobs[blob] = Extent(data_file_name(lp.rank, 0), pos[0], 5064, (dummy,))
+            record["objects"][str(j)] = {
+                "$tensor": {"dtype": "uint8", "shape": [5064], "blob": blob}
+            }
+            record["blobs"][blob] = Extent(
+                data_file_name(lp.rank, 0), pos[0], 5064, (dummy,)
+            ).to_json()
             pos[0] += 5120
-        for f in range(2):
-            if pos[f]:
-                files[data_file_name(lp.rank, f)] = FileEntry(pos[f], lp.rank)
-    tensors = {
-        key: TensorEntry(
-            dt, shape, tuple(sorted(pieces[key], key=lambda p: (p.offset, p.flat or (0, 0))))
-        )
-        for key, (dt, shape) in sorted(plan.tensors.items())
-    }
-    return Manifest(
-        world_size=len(plans),
-        block_bytes=block_bytes,
-        files=files,
-        tensors=tensors,
-        objects=dict(sorted(objects.items())),
-        blobs=blobs,
-        common={"$dict": [["iteration", 1000], ["checkpoint_version", 3.0]]},
-        created="2025-01-01T00:00:00Z",
-        library_version="0.1.0",
-    )
+        record["files"] = {data_file_name(lp.rank, f): pos[f] for f in range(2) if pos[f]}
+        if lp.rank == 0:
+            record["common"] = {"$dict": [["iteration", 1000], ["checkpoint_version", 3.0]]}
+        results.append(record)
+    return assemble((plans, plan), results, None, block_bytes)
 
 
 def timed(fn: Any, repeat: int) -> tuple[list[float], Any]:
