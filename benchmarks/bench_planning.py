@@ -36,13 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardsafe.checksum import DEFAULT_BLOCK_BYTES, block_count
+from shardsafe.commit import assemble
 from shardsafe.format import (
     Extent,
     Manifest,
     data_file_name,
 )
 from shardsafe.planning import GlobalPlan, LocalPlan, ObjectDesc, PieceDesc, make_global_plan
-from shardsafe.saving import assemble
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def build_plans(cfg: Config) -> list[LocalPlan]:
 def manifest_for(
     plans: list[LocalPlan], plan: GlobalPlan, block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> Manifest:
-    """The manifest ``saving.assemble`` writes, from per-rank write records with dummy checksums."""
+    """The manifest ``commit.assemble`` writes, from per-rank write records with dummy checksums."""
     dummy = "0123456789abcdef"
     results = []
     for lp, assignment in zip(plans, plan.assignments, strict=True):

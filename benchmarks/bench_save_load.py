@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import json
 import math
@@ -263,43 +262,21 @@ class PeakRSS:
 
 def resident_fraction(root: str) -> float:
     """Share of the files under ``root`` that are in the page cache (``mincore``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    import numpy as np
+    from shardsafe.directio import PageResidency
 
-    page = os.sysconf("SC_PAGE_SIZE")
     resident = total = 0
     for dirpath, _, names in os.walk(root):
         for n in names:
-            path = os.path.join(dirpath, n)
-            size = os.path.getsize(path)
-            if size == 0:
-                continue
-            pages = -(-size // page)
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+            residency = PageResidency(fd)
             try:
-                addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-                if addr in (None, ctypes.c_void_p(-1).value):
-                    continue
-                try:
-                    vec = (ctypes.c_ubyte * pages)()
-                    if libc.mincore(addr, size, vec) == 0:
-                        resident += int((np.frombuffer(vec, dtype=np.uint8) & 1).sum())
-                        total += pages
-                finally:
-                    libc.munmap(addr, size)
+                counts = residency.resident_pages()
             finally:
+                residency.close()
                 os.close(fd)
+            if counts is not None:
+                resident += counts[0]
+                total += counts[1]
     return resident / total if total else float("nan")
 
 

@@ -45,7 +45,8 @@ import torch.distributed as dist
 from parallel_layers import Layout, ParallelState
 
 import shardsafe
-from shardsafe.manager import CheckpointManager, step_name
+from shardsafe.directory import step_name
+from shardsafe.manager import CheckpointManager
 from shardsafe.saving import pid_alive
 
 #: Relative tolerance on the loss where the layout changes the float reduction order (TP

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
+import shardsafe.commit
 import shardsafe.location
 import shardsafe.saving
 from shardsafe.format import MANIFEST_NAME
@@ -154,4 +155,4 @@ def patch_commit_then_die() -> Undo:
             loc.parent.sync_dir(work)
         kill_self()
 
-    return _replace(shardsafe.saving, "commit", commit)
+    return _replace(shardsafe.commit, "commit", commit)

@@ -110,7 +110,7 @@ def test_cache_aware_reads_cold_partly_cached_and_cached(tmp_path):
                 reader.read_into(len(data) - (1 << 20), memoryview(bytearray(2 << 20)))
             if state == "cold" and reader._direct:
                 # read with O_DIRECT: the bytes did not go through the page cache
-                resident = directio._Residency(reader.fd)
+                resident = directio.PageResidency(reader.fd)
                 assert resident.cached_prefix(0, 4 << 20) == 0
                 resident.close()
         finally:

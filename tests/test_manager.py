@@ -18,7 +18,8 @@ from distributed import run_ranks
 
 import shardsafe
 from shardsafe import CheckpointError, CheckpointNotFoundError, ShardedTensor, neuron
-from shardsafe.manager import CheckpointManager, parse_step, step_name
+from shardsafe.directory import parse_step, step_name
+from shardsafe.manager import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
 

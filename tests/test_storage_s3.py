@@ -19,12 +19,8 @@ import pytest
 from s3server import S3Server, s3_bucket_url, s3_server  # noqa: F401
 
 from shardsafe.storage import LocalStorage, Storage, storage_for
-from shardsafe.storage.fsspec import (
-    FsspecStorage,
-    RetryPolicy,
-    call_with_retries,
-    is_transient,
-)
+from shardsafe.storage.fsspec import FsspecStorage
+from shardsafe.storage.retry import RetryPolicy, call_with_retries, is_transient
 
 pytestmark = pytest.mark.timeout(60)
 

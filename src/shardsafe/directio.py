@@ -221,7 +221,7 @@ def _open_direct(storage: Storage, rel: str) -> int | None:
         raise
 
 
-class _Residency:
+class PageResidency:
     """Which pages of one file the page cache holds (``mincore`` on a mapping that is never touched)."""
 
     _libc: Any = None
@@ -274,6 +274,16 @@ class _Residency:
             return n
         return max(0, (first + int(missing[0])) * page - offset)
 
+    def resident_pages(self) -> tuple[int, int] | None:
+        """(cached pages, pages) of the whole file; None when unknown."""
+        if not self.addr:
+            return None
+        pages = -(-self.length // mmap.PAGESIZE)
+        vec = np.empty(pages, dtype=np.uint8)
+        if self._libc.mincore(self.addr, pages * mmap.PAGESIZE, address(vec)) != 0:
+            return None
+        return int((vec & 1).sum()), pages
+
     def close(self) -> None:
         if self.addr:
             self._libc.munmap(self.addr, self.length)
@@ -296,7 +306,7 @@ class CacheAwareReader:
         self._dfd: int | None = None
         self._lock = threading.Lock()
         self._direct = True
-        self._residency: _Residency | None = None
+        self._residency: PageResidency | None = None
 
     def read_into(self, offset: int, out: memoryview, /) -> None:
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
@@ -320,10 +330,10 @@ class CacheAwareReader:
                 self._direct = False
         self.inner.read_into(offset + cached, out[cached:])
 
-    def _resident(self) -> _Residency:
+    def _resident(self) -> PageResidency:
         with self._lock:
             if self._residency is None:
-                self._residency = _Residency(self.fd)
+                self._residency = PageResidency(self.fd)
             return self._residency
 
     def _direct_fd(self) -> int | None:

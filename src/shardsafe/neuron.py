@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
+from .directory import CheckpointDirectory
 from .dist import get_comm
 from .errors import CheckpointError
 from .loading import StrictHandling, load
-from .manager import CheckpointDirectory, CheckpointManager
+from .manager import CheckpointManager
 from .reader import CheckpointReader
 from .saver import AsyncSaveHandle
 from .saving import SaveStats

@@ -25,6 +25,7 @@ import torch
 
 from .checksum import DEFAULT_BLOCK_BYTES
 from .codec import tensor_bytes
+from .commit import finalize
 from .dist import Comm, get_comm, outcome, raise_for
 from .errors import CheckpointError
 from .location import locate
@@ -35,7 +36,6 @@ from .saving import (
     ShareItems,
     abort,
     encode_share,
-    finalize,
     merge_results,
     plan_save,
     waves,

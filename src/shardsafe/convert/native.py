@@ -17,12 +17,13 @@ from typing import Any
 from .. import __version__
 from ..checksum import DEFAULT_BLOCK_BYTES
 from ..codec import encode, tensor_bytes
+from ..commit import commit
 from ..dtypes import dtype_name
 from ..engine import write_data_file
 from ..format import Extent, FileEntry, Manifest, StoredPiece, TensorEntry, data_file_name
 from ..location import locate
 from ..reader import CheckpointReader
-from ..saving import abort, begin, commit, work_dir
+from ..saving import abort, begin, work_dir
 from .source import Progress, TensorSource, read_checked, total_nbytes
 
 

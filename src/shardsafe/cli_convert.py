@@ -1,0 +1,224 @@
+"""``shardsafe diff`` and ``shardsafe convert``: compare checkpoints tensor by tensor, and turn
+one format into another, streaming so memory stays near the largest tensor."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .cli import progress_bar
+from .errors import CheckpointError
+
+# --------------------------------------------------------------------------- diff
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    import torch
+
+    from .convert import open_source
+
+    a = open_source(args.a, trust=args.trust)
+    b = open_source(args.b, trust=args.trust)
+    ka, kb = set(a.tensor_keys()), set(b.tensor_keys())
+    only_a, only_b = sorted(ka - kb), sorted(kb - ka)
+    differing = 0
+    rows = []
+    common_keys = [k for k in a.tensor_keys() if k in kb]
+    with progress_bar(
+        sum(math.prod(a.tensor_meta(k)[0]) * a.tensor_meta(k)[1].itemsize for k in common_keys),
+        "diff",
+    ) as bar:
+        for key in common_keys:
+            (sa, da), (sb, db) = a.tensor_meta(key), b.tensor_meta(key)
+            if sa != sb or da != db:
+                rows.append(
+                    (key, f"shape/dtype {tuple(sa)} {da} vs {tuple(sb)} {db}", math.inf, math.inf)
+                )
+                differing += 1
+                continue
+            ta, tb = a.read_tensor(key), b.read_tensor(key)
+            bar.update(ta.numel() * ta.element_size())
+            if ta.dtype.is_floating_point or ta.dtype.is_complex:
+                x, y = _wide(ta), _wide(tb)
+                diff = (x - y).abs()
+                same_nan = torch.isnan(x) & torch.isnan(y)
+                diff = torch.where(same_nan, torch.zeros_like(diff), diff).nan_to_num(nan=math.inf)
+                max_abs = float(diff.max()) if diff.numel() else 0.0
+                scale = float(y.abs().max()) if y.numel() else 0.0
+                max_rel = max_abs / scale if scale else (0.0 if max_abs == 0 else math.inf)
+                bad = max_abs > args.atol + args.rtol * scale
+            else:
+                neq = int((ta != tb).sum())
+                max_abs = float(neq)
+                max_rel = neq / max(1, ta.numel())
+                bad = neq > 0
+            if bad:
+                differing += 1
+            if bad or args.all:
+                rows.append((key, "differs" if bad else "same", max_abs, max_rel))
+    ca, cb = a.common(), b.common()
+    # a format without common state (Hugging Face, say) is not a difference, only a note
+    common_differs = bool(ca) and bool(cb) and _plain(ca) != _plain(cb)
+    if bool(ca) != bool(cb) and not args.json:
+        print(f"  note: only {'A' if ca else 'B'} has common (non-tensor) state; not compared")
+    if args.json:
+        json.dump(
+            {
+                "only_in_a": only_a,
+                "only_in_b": only_b,
+                "common_state_differs": common_differs,
+                "tensors": [
+                    {"key": k, "status": s, "max_abs": m, "max_rel": r} for k, s, m, r in rows
+                ],
+            },
+            sys.stdout,
+            indent=1,
+            default=str,
+        )
+        print()
+    else:
+        for k in only_a:
+            print(f"- {k}  (only in {args.a})")
+        for k in only_b:
+            print(f"+ {k}  (only in {args.b})")
+        for k, status, m, r in rows:
+            print(
+                f"{'!' if status != 'same' else ' '} {k}  {status}  max_abs={m:.6g}  max_rel={r:.6g}"
+            )
+        if common_differs:
+            print("! common state differs")
+        total = len(common_keys)
+        print(
+            f"{total - differing} of {total} shared tensors equal (atol={args.atol}, rtol={args.rtol}); "
+            f"{len(only_a)} only in A, {len(only_b)} only in B"
+        )
+    return 1 if (differing or only_a or only_b or common_differs) else 0
+
+
+def _wide(t: Any) -> Any:
+    import torch
+
+    return t.to(torch.complex128 if t.dtype.is_complex else torch.float64)
+
+
+def _plain(x: Any) -> Any:
+    """Common state made comparable (tensors by value)."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return (
+            "tensor",
+            str(x.dtype),
+            tuple(x.shape),
+            x.detach().cpu().contiguous().view(-1).view(torch.uint8).tolist()
+            if x.numel() < 1 << 16
+            else x.sum().item(),
+        )
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return repr(x)
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from .convert import (
+        SelectedSource,
+        export_dcp,
+        export_hf,
+        export_torch,
+        open_source,
+        parse_rename_rules,
+    )
+    from .convert.native import export_shardsafe
+    from .convert.source import total_nbytes
+
+    source = open_source(args.src, trust=args.trust, fmt=args.source_format)
+    rules: list[Any] = []
+    for r in args.rename or []:
+        rules.extend(parse_rename_rules(r))
+    if args.rename_file:
+        rules.extend(parse_rename_rules(Path(args.rename_file)))
+    dtype = None
+    if args.dtype:
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise SystemExit(f"shardsafe convert: error: unknown --dtype {args.dtype!r}")
+    if args.to == "hf":
+        selected: Any = source
+    else:
+        selected = (
+            SelectedSource(source, prefix=args.prefix, rename=rules or None, dtype=dtype)
+            if (args.prefix or rules or dtype)
+            else source
+        )
+    from .storage import is_url
+
+    if is_url(args.dst) and args.to != "shardsafe":
+        return _convert_via_local_copy(args)
+    with progress_bar(total_nbytes(selected), f"convert -> {args.to}") as bar:
+        done = [0]
+
+        def progress(n: int, total: int, key: str) -> None:
+            bar.update(n - done[0])
+            done[0] = n
+
+        if args.to == "torch":
+            export_torch(selected, args.dst, progress=progress, overwrite=args.overwrite)
+        elif args.to == "hf":
+            export_hf(
+                selected,
+                args.dst,
+                max_shard_size=args.max_shard_size,
+                dtype=dtype,
+                prefix=args.prefix,
+                rename=rules or None,
+                progress=progress,
+                overwrite=args.overwrite,
+            )
+        elif args.to == "dcp":
+            export_dcp(selected, args.dst, progress=progress, overwrite=args.overwrite)
+        else:
+            export_shardsafe(selected, args.dst, progress=progress, overwrite=args.overwrite)
+    print(f"wrote {args.dst} ({args.to})")
+    return 0
+
+
+def _convert_via_local_copy(args: argparse.Namespace) -> int:
+    """torch/hf/dcp writers need a file system: write into a temporary directory, then upload."""
+    import tempfile
+
+    from .location import locate
+
+    loc = locate(args.dst)
+    if loc.parent.exists(loc.name) and not args.overwrite:
+        raise CheckpointError(f"{args.dst} already exists; pass --overwrite to replace it")
+    with tempfile.TemporaryDirectory(prefix="shardsafe-convert-") as tmp:
+        local = os.path.join(tmp, loc.name)
+        rc = cmd_convert(argparse.Namespace(**{**vars(args), "dst": local}))
+        if rc:
+            return rc
+        if args.overwrite:
+            loc.parent.remove_tree(loc.name)
+        files = (
+            [local]
+            if os.path.isfile(local)
+            else [os.path.join(d, f) for d, _, names in os.walk(local) for f in names]
+        )
+        for path in files:
+            rel = loc.name if path == local else f"{loc.name}/{os.path.relpath(path, local)}"
+            with open(path, "rb") as src, loc.parent.open_write(rel) as out:
+                while chunk := src.read(64 << 20):
+                    out.write(chunk)
+    print(f"uploaded to {args.dst}")
+    return 0
