@@ -28,6 +28,7 @@ from .reader import (
 from .saver import AsyncSaveHandle, Saver, async_save, save, wait_for_saves
 from .saving import SaveStats
 from .sharding import (
+    CoordinatorObject,
     LocalNonPersistentObject,
     ShardedObject,
     ShardedTensor,
@@ -45,6 +46,7 @@ __all__ = [
     "DistributedError",
     "IncompatibleRequestError",
     "IncompleteCheckpointError",
+    "CoordinatorObject",
     "LocalNonPersistentObject",
     "MissingKeyError",
     "AsyncSaveHandle",

@@ -16,7 +16,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
+
+
+def plural(n: int, word: str) -> str:
+    """``1 piece``, ``2 pieces``, ``3 entries``."""
+    if n == 1:
+        return f"{n} {word}"
+    if word.endswith("y") and word[-2:-1] not in "aeiou":
+        return f"{n} {word[:-1]}ies"
+    return f"{n} {word}es" if word.endswith(("s", "sh", "ch")) else f"{n} {word}s"
+
 
 EXAMPLES = """examples:
   shardsafe ls ckpt/                                   # checkpoints under a root: step, committed?, size, age
@@ -64,10 +74,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report = reader.verify(progress=bar.update)
     if report.ok:
         print(
-            f"OK {args.path}: {report.tensors} tensors, {report.objects} objects, {report.bytes_checked} bytes checked"
+            f"OK {args.path}: {plural(report.tensors, 'tensor')}, {plural(report.objects, 'object')}, "
+            f"{plural(report.bytes_checked, 'byte')} checked"
         )
         return 0
-    print(f"FAILED {args.path}: {len(report.problems)} problems", file=sys.stderr)
+    print(f"FAILED {args.path}: {plural(len(report.problems), 'problem')}", file=sys.stderr)
     for p in report.problems:
         print(f"  {p}", file=sys.stderr)
     return 1
@@ -85,7 +96,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _inspect_shardsafe(args: argparse.Namespace) -> int:
     from .reader import CheckpointReader
 
-    m = CheckpointReader(args.path).manifest
+    reader = CheckpointReader(args.path)
+    m = reader.manifest
+    try:
+        common: Any = reader.common()
+    except CheckpointError as e:
+        common = f"<unreadable: {e}>"
     rows: list[dict[str, Any]] = []
     for key, t in m.tensors.items():
         files = sorted({p.extent.file for p in t.pieces})
@@ -110,20 +126,47 @@ def _inspect_shardsafe(args: argparse.Namespace) -> int:
                 "total_bytes": m.total_bytes,
                 "tensors": rows,
                 "objects": sorted(m.objects),
+                "common": common,
                 "files": {k: v.nbytes for k, v in m.files.items()},
             },
             sys.stdout,
             indent=1,
+            default=_describe_value,
         )
         print()
         return 0
     print(
-        f"{args.path}: shardsafe v{m.version}, saved by {m.world_size} ranks at {m.created}, {human_size(m.total_bytes)} in {len(m.files)} files"
+        f"{args.path}: shardsafe v{m.version}, saved by {m.world_size} ranks at {m.created}, {human_size(m.total_bytes)} in {plural(len(m.files), 'file')}"
     )
     _print_rows(rows)
     for ukey in m.objects:
         print(f"  {ukey}  (object)")
+    lines = list(_common_lines(common, ""))
+    print(f"common state: {plural(len(lines), 'entry') if lines else 'none'}")
+    for line in lines:
+        print(f"  {line}")
     return 0
+
+
+def _describe_value(x: Any) -> str:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return f"tensor {str(x.dtype).removeprefix('torch.')} {tuple(x.shape)}"
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _common_lines(tree: Any, path: str) -> Any:
+    """``path = value`` for each leaf of the common state (values shortened)."""
+    if isinstance(tree, dict) and tree:
+        for k, v in tree.items():
+            yield from _common_lines(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(tree, dict):
+        if path:
+            yield f"{path} = {{}}"
+    else:
+        yield f"{path or '(root)'} = {_describe_value(tree)}"
 
 
 def _inspect_other(args: argparse.Namespace, fmt: str) -> int:
@@ -147,7 +190,9 @@ def _inspect_other(args: argparse.Namespace, fmt: str) -> int:
         json.dump({"path": args.path, "format": fmt, "tensors": rows}, sys.stdout, indent=1)
         print()
         return 0
-    print(f"{args.path}: {fmt}, {len(rows)} tensors, {human_size(sum(r['bytes'] for r in rows))}")
+    print(
+        f"{args.path}: {fmt}, {plural(len(rows), 'tensor')}, {human_size(sum(r['bytes'] for r in rows))}"
+    )
     _print_rows(rows)
     return 0
 
@@ -156,7 +201,7 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
     width = max((len(r["key"]) for r in rows), default=10)
     for r in rows:
         print(
-            f"  {r['key']:<{width}}  {r['dtype']:<14} {tuple(r['shape'])!s:<22} {r['pieces']:>5} pieces {human_size(r['bytes']):>10}"
+            f"  {r['key']:<{width}}  {r['dtype']:<14} {tuple(r['shape'])!s:<22} {plural(r['pieces'], 'piece'):>10} {human_size(r['bytes']):>10}"
         )
 
 
@@ -252,7 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("ls", help="checkpoints under a root: step, committed or not, size, age")
+    p = sub.add_parser(
+        "ls",
+        help="checkpoints under a root: step, committed or not, size, age",
+        description="List the checkpoints under ROOT (or ROOT itself if it is one): step, "
+        "state (committed, uncommitted, corrupt), size and age.",
+    )
     p.add_argument("root")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_ls)
@@ -271,7 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_inspect)
 
     p = sub.add_parser(
-        "verify", help="re-read every byte, check checksums and coverage (exit 1 if damaged)"
+        "verify",
+        help="re-read every byte, check checksums and coverage (exit 1 if damaged)",
+        description="Re-read every stored byte of the checkpoint at PATH and check its checksums, "
+        "sizes and coverage. Exit 0 if intact, 1 if damaged, 2 if it cannot be read at all.",
     )
     p.add_argument("path")
     p.set_defaults(fn=cmd_verify)
@@ -282,8 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("a")
     p.add_argument("b")
-    p.add_argument("--atol", type=float, default=0.0)
-    p.add_argument("--rtol", type=float, default=0.0)
+    p.add_argument(
+        "--atol", type=float, default=0.0, help="absolute tolerance (default: %(default)s)"
+    )
+    p.add_argument(
+        "--rtol",
+        type=float,
+        default=0.0,
+        help="tolerance relative to B's largest magnitude (default: %(default)s)",
+    )
     p.add_argument("--all", action="store_true", help="list equal tensors too")
     p.add_argument("--json", action="store_true")
     p.add_argument(
@@ -334,10 +394,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1 if args.command == "verify" else 2
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        message = str(e)
+        if args.command == "convert":  # the library's keyword is the command's flag here
+            message = message.replace("overwrite=True", "--overwrite")
+        print(f"error: {message}", file=sys.stderr)
+        damaged = isinstance(e, CorruptCheckpointError) and not isinstance(e, UnsafeObjectError)
+        return 1 if args.command == "verify" and damaged else 2
+    except ImportError as e:  # an optional extra that is not installed (s3fs...)
+        extra = (
+            "s3"
+            if "s3" in str(e) or "fsspec" in str(e)
+            else "hf"
+            if "safetensors" in str(e)
+            else None
+        )
+        hint = f"; install it with: pip install 'shardsafe[{extra}]'" if extra else ""
+        print(f"error: {e}{hint}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, TypeError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

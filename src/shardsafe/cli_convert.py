@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cli import progress_bar
+from .cli import plural, progress_bar
 from .errors import CheckpointError
 
 # --------------------------------------------------------------------------- diff
@@ -63,7 +63,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 rows.append((key, "differs" if bad else "same", max_abs, max_rel))
     ca, cb = a.common(), b.common()
     # a format without common state (Hugging Face, say) is not a difference, only a note
-    common_differs = bool(ca) and bool(cb) and _plain(ca) != _plain(cb)
+    common_keys_differ = common_differences(ca, cb) if ca and cb else []
+    common_differs = bool(common_keys_differ)
     if bool(ca) != bool(cb) and not args.json:
         print(f"  note: only {'A' if ca else 'B'} has common (non-tensor) state; not compared")
     if args.json:
@@ -72,6 +73,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 "only_in_a": only_a,
                 "only_in_b": only_b,
                 "common_state_differs": common_differs,
+                "common_differences": common_keys_differ,
                 "tensors": [
                     {"key": k, "status": s, "max_abs": m, "max_rel": r} for k, s, m, r in rows
                 ],
@@ -90,11 +92,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
             print(
                 f"{'!' if status != 'same' else ' '} {k}  {status}  max_abs={m:.6g}  max_rel={r:.6g}"
             )
-        if common_differs:
-            print("! common state differs")
+        for where in common_keys_differ:
+            print(f"! common state {where}")
         total = len(common_keys)
         print(
-            f"{total - differing} of {total} shared tensors equal (atol={args.atol}, rtol={args.rtol}); "
+            f"{total - differing} of {total} shared {plural(total, 'tensor')} equal (atol={args.atol}, rtol={args.rtol}); "
             f"{len(only_a)} only in A, {len(only_b)} only in B"
         )
     return 1 if (differing or only_a or only_b or common_differs) else 0
@@ -104,6 +106,35 @@ def _wide(t: Any) -> Any:
     import torch
 
     return t.to(torch.complex128 if t.dtype.is_complex else torch.float64)
+
+
+def common_differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two common-state trees differ, by path: ``['x']['y'] differs``, ``only in A``..."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in list(a) + [k for k in b if k not in a]:
+            where = f"{path}[{k!r}]"
+            if k not in b:
+                out.append(f"{where} only in A")
+            elif k not in a:
+                out.append(f"{where} only in B")
+            else:
+                out.extend(common_differences(a[k], b[k], where))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in common_differences(x, y, f"{path}[{i}]")
+        ]
+    if _plain(a) != _plain(b):
+        return [f"{path or '(root)'} differs: {_short(a)} vs {_short(b)}"]
+    return []
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _plain(x: Any) -> Any:

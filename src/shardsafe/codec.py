@@ -7,6 +7,7 @@ anything else is stored with ``torch.save`` and read back only by
 
 Encoded nodes: JSON ``null``/bool/int/str and lists stand for themselves; everything else is
 a one-key object whose key starts with ``$`` (``{"$dict": [[k, v], ...]}``, ``{"$tensor": ...}``).
+``{"$tensor_ref": key}`` marks where a plain tensor leaf stood; its data is the stored tensor ``key``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 from typing_extensions import Buffer
 
 from .dtypes import dtype_from_name, dtype_name
-from .errors import CorruptCheckpointError, UnsafeObjectError
-from .sharding import PLACEHOLDER
+from .errors import CorruptCheckpointError, UnsafeObjectError, ValidationError
+from .sharding import PLACEHOLDER, CoordinatorObject, TensorRef
 
 
 @dataclass
@@ -66,6 +67,10 @@ def encode(tree: Any, blob_prefix: str) -> EncodedTree:
     def enc(x: Any) -> Any:
         if x is PLACEHOLDER:
             return {"$sharded": None}
+        if isinstance(x, TensorRef):
+            return {"$tensor_ref": x.key}
+        if isinstance(x, CoordinatorObject):
+            return enc(x.obj)
         if x is None or isinstance(x, (bool, str)):
             return x
         if isinstance(x, int) and type(x) is int:
@@ -113,12 +118,23 @@ def encode(tree: Any, blob_prefix: str) -> EncodedTree:
 
     def pickled(x: Any) -> Any:
         buf = io.BytesIO()
+        name = f"{type(x).__module__}.{type(x).__qualname__}"
         try:
             torch.save(x, buf)
         except Exception as e:
-            raise TypeError(
-                f"cannot store a {type(x).__module__}.{type(x).__qualname__} in a checkpoint: {e}"
+            raise ValidationError(
+                f"cannot store a {name} in a checkpoint: {e}; store plain data (numbers, strings, "
+                "lists, dicts, tensors) or a ShardedObject of it"
             ) from e
+        try:  # what load would refuse is refused now, before anything is written
+            torch.load(io.BytesIO(buf.getvalue()), weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError as e:
+            raise UnsafeObjectError(
+                f"cannot store a {name}: loading it back would be refused: {_refusal(e)}; "
+                "store plain data (numbers, strings, lists, dicts, tensors) instead"
+            ) from None
+        except Exception as e:
+            raise ValidationError(f"cannot store a {name}: it does not load back: {e}") from None
         return {
             "$torch_save": {
                 "type": f"{type(x).__module__}.{type(x).__qualname__}",
@@ -146,6 +162,10 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
         ((tag, body),) = x.items()
         if tag == "$sharded":
             return None
+        if tag == "$tensor_ref":
+            if not isinstance(body, str) or not body:
+                raise bad("malformed $tensor_ref")
+            return TensorRef(body)
         if tag == "$float":
             if body not in ("nan", "inf", "-inf"):
                 raise bad(f"bad float {body!r}")

@@ -42,12 +42,15 @@ from .parallel_load import (
     should_share,
 )
 from .sharding import (
+    CoordinatorObject,
     LocalNonPersistentObject,
     Path,
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
+    TensorRef,
     adapt,
+    is_plain_tensor,
     split_state_dict,
 )
 from .storage.base import Storage
@@ -179,7 +182,11 @@ def _fill_tensor(
     data = st.data
     if data is None:
         data = (torch.zeros if st.allow_shape_mismatch else torch.empty)(shape, dtype=st.dtype)
-    elif tuple(entry.shape) != st.global_shape:
+    # Every copy goes into this alias: it shares the destination's memory (an nn.Parameter
+    # included) but not its autograd history, so reader threads may write views of it
+    # whatever their grad mode, and the parameter keeps requires_grad.
+    data = data.detach()
+    if tuple(entry.shape) != st.global_shape:
         data.zero_()
     work = data
     if st.flattened_range is not None and not data.is_contiguous():
@@ -323,10 +330,25 @@ class _LoadJob:
         self.factories: list[tuple[Path, ShardedTensorFactory]] = []
         self.tree = _apply_factories_recording(adapt(template), (), self.factories)
         self.split = split_state_dict(self.tree)
+        self.common = self._decode_common()
+        # Checkpoints written before plain tensors were stored as tensors hold them in the
+        # common state: those are filled from there, in place.
+        self.plain_paths = {self.split.tensors[i][0] for i in self.split.replicated}
+        legacy = {
+            st.key
+            for path, st in self.split.tensors
+            if path in self.plain_paths
+            and st.key not in manifest.tensors
+            and isinstance(_lookup(self.common, path), torch.Tensor)
+        }
         self.requested = {st.key for _, st in self.split.tensors} | {
             o.unique_key for _, o in self.split.objects
         }
-        unexpected = [st.key for _, st in self.split.tensors if st.key not in manifest.tensors]
+        unexpected = [
+            st.key
+            for _, st in self.split.tensors
+            if st.key not in manifest.tensors and st.key not in legacy
+        ]
         unexpected += [
             o.unique_key for _, o in self.split.objects if o.unique_key not in manifest.objects
         ]
@@ -340,7 +362,7 @@ class _LoadJob:
                 raise MissingKeyError(msg)
             if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
                 log.warning("%s", msg)
-        self.skip = set(unexpected)
+        self.skip = set(unexpected) | legacy
         self.wanted = [st for _, st in self.split.tensors if st.key not in self.skip]
         self.values: dict[int, Any] = {}
         self.request_tensors: list[torch.Tensor] = []
@@ -369,7 +391,7 @@ class _LoadJob:
             data, t, fin = _fill_tensor(
                 st, entry, max(1, self.max_buffer // st.dtype.itemsize), self.where
             )
-            self.values[id(st)] = data
+            self.values[id(st)] = st.data if st.data is not None else data
             self.request_tensors.append(data)
             if index not in receive:
                 tasks.extend(t)
@@ -379,30 +401,63 @@ class _LoadJob:
         for fin in finishers:
             fin()
 
+    def _fetcher(self, reader: DataReader) -> Callable[[str], bytes]:
+        manifest, where = self.manifest, self.where
+
+        def fetch(blob_id: str) -> bytes:
+            extent = manifest.blobs.get(blob_id)
+            if extent is None:
+                raise CorruptCheckpointError(
+                    f"{where}: blob {blob_id!r} is referenced but not listed"
+                )
+            return reader.read_extent(extent, f"blob {blob_id!r}")
+
+        return fetch
+
+    def _decode_common(self) -> Any:
+        with DataReader(self.storage, self.manifest.block_bytes, self.max_buffer) as reader:
+            return decode(
+                self.manifest.common, self._fetcher(reader), f"{self.where}: common state"
+            )
+
     def finish(self) -> Any:
-        """Decode objects and common state; merge everything into the template's structure."""
+        """Decode objects; merge everything into the template's structure; read the stored
+        tensors the template has no place for (a fresh optimizer's state) whole."""
         manifest, where = self.manifest, self.where
         with DataReader(self.storage, manifest.block_bytes, self.max_buffer) as reader:
-
-            def fetch(blob_id: str) -> bytes:
-                extent = manifest.blobs.get(blob_id)
-                if extent is None:
-                    raise CorruptCheckpointError(
-                        f"{where}: blob {blob_id!r} is referenced but not listed"
-                    )
-                return reader.read_extent(extent, f"blob {blob_id!r}")
-
+            fetch = self._fetcher(reader)
             for _, o in self.split.objects:
                 if o.unique_key in self.skip:
                     continue
                 self.values[id(o)] = decode(
                     manifest.objects[o.unique_key].value, fetch, f"{where}: object {o.unique_key!r}"
                 )
-            common = decode(manifest.common, fetch, f"{where}: common state")
-        result = _merge(self.tree, common, self.values, self.skip)
+            plain = {
+                path: st
+                for path, st in self.split.tensors
+                if path in self.plain_paths and st.key not in self.skip
+            }
+            result = _merge(self.tree, self.common, self.values, plain, ())
+            result = _resolve_refs(result, lambda key: self._read_whole(reader, key))
         for fpath, factory in reversed(self.factories):
             result = _replace_at(result, fpath, factory.merge_fn(_get_at(result, fpath)))
         return result
+
+    def _read_whole(self, reader: DataReader, key: str) -> torch.Tensor:
+        entry = self.manifest.tensors.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"{self.where}: the common state refers to tensor {key!r}, which is not stored"
+            )
+        dtype = dtype_from_name(entry.dtype, self.where)
+        shape = tuple(entry.shape)
+        st = ShardedTensor(key, None, dtype, shape, shape, (0,) * len(shape))
+        data, tasks, fin = _fill_tensor(
+            st, entry, max(1, self.max_buffer // dtype.itemsize), self.where
+        )
+        run_tasks(reader, tasks, self.threads)
+        fin()
+        return data
 
 
 def _suggest(key: str, manifest: Manifest) -> str:
@@ -429,19 +484,37 @@ def _apply_factories_recording(
 _ABSENT = object()
 
 
-def _merge(template: Any, common: Any, values: dict[int, Any], skip: set[str]) -> Any:
-    """The template's structure with loaded values, plain leaves from the checkpoint's common state."""
+def _merge(
+    template: Any, common: Any, values: dict[int, Any], plain: dict[Path, Any], path: Path
+) -> Any:
+    """The template's structure with loaded values, plain leaves from the checkpoint's common state.
+
+    A plain tensor of the template comes back as itself, filled in place.
+    """
     if isinstance(template, ShardedTensor):
         return values.get(id(template), _ABSENT)
     if isinstance(template, ShardedObject):
         return values.get(id(template), _ABSENT)
     if isinstance(template, LocalNonPersistentObject):
         return template.unwrap()
+    if isinstance(template, CoordinatorObject):
+        return template.unwrap() if common is _ABSENT else common
+    if is_plain_tensor(template):
+        if path in plain:
+            return template
+        if isinstance(common, torch.Tensor) and common.shape == template.shape:
+            template.detach().copy_(common)  # a checkpoint that kept it in common state
+            return template
+        return _ABSENT
     if isinstance(template, dict):
         out = dict(common) if isinstance(common, dict) else {}
         for k, v in template.items():
             merged = _merge(
-                v, common.get(k, _ABSENT) if isinstance(common, dict) else _ABSENT, values, skip
+                v,
+                common.get(k, _ABSENT) if isinstance(common, dict) else _ABSENT,
+                values,
+                plain,
+                (*path, k),
             )
             if merged is _ABSENT:
                 out.pop(k, None)
@@ -451,11 +524,39 @@ def _merge(template: Any, common: Any, values: dict[int, Any], skip: set[str]) -
     if isinstance(template, list):
         base = common if isinstance(common, list) else []
         out_list = [
-            _merge(v, base[i] if i < len(base) else _ABSENT, values, skip)
+            _merge(v, base[i] if i < len(base) else _ABSENT, values, plain, (*path, i))
             for i, v in enumerate(template)
         ]
         return [v for v in out_list if v is not _ABSENT]
     return template if common is _ABSENT else common
+
+
+def _lookup(tree: Any, path: Path) -> Any:
+    for p in path:
+        if (isinstance(tree, dict) and p in tree) or (
+            isinstance(tree, list) and isinstance(p, int) and 0 <= p < len(tree)
+        ):
+            tree = tree[p]
+        else:
+            return None
+    return tree
+
+
+def _resolve_refs(tree: Any, read: Callable[[str], torch.Tensor]) -> Any:
+    """Replace every :class:`TensorRef` left in ``tree`` by the stored tensor, read whole."""
+    if isinstance(tree, TensorRef):
+        return read(tree.key)
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if isinstance(v, (TensorRef, dict, list)):
+                tree[k] = _resolve_refs(v, read)
+        return tree
+    if isinstance(tree, list):
+        for i, v in enumerate(tree):
+            if isinstance(v, (TensorRef, dict, list)):
+                tree[i] = _resolve_refs(v, read)
+        return tree
+    return tree
 
 
 def _get_at(tree: Any, path: Path) -> Any:

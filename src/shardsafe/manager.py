@@ -25,7 +25,10 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from typing import Any
+
+import torch
 
 from .directory import CheckpointDirectory, StepDirectory, parse_step, step_name
 from .dist import get_comm
@@ -33,6 +36,13 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .loading import StrictHandling, load
 from .saver import AsyncSaveHandle, Saver
 from .saving import SaveStats
+from .sharding import (
+    CoordinatorObject,
+    LocalNonPersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
 
 log = logging.getLogger("shardsafe")
 
@@ -243,19 +253,29 @@ class CheckpointManager:
         strict: StrictHandling | str = StrictHandling.ASSUME_OK_UNEXPECTED,
     ) -> Any:
         """Collective: load step ``step`` (default: the latest committed) into the template
-        ``state``; returns what :func:`shardsafe.load` returns.
+        ``state``; returns the state to train with and save again.
+
+        The returned state keeps the template's sharded entries (ShardedTensors filled in
+        place, ShardedObjects and factories holding what was loaded) with the checkpoint's
+        common state merged in, so ``state = manager.restore(state)`` followed by
+        ``manager.save(step, state)`` stores the same layout generation after generation.
+        (:func:`shardsafe.load` returns the plain loaded values instead.)
 
         Without ``step`` the coordinator picks the step and tells the others, so every rank
         loads the same checkpoint. Raises :class:`CheckpointNotFoundError` when there is none.
         """
         name = self._resolve(None if step is None else step_name(step))
-        return load(
+        loaded = load(
             state,
             self._dir.path(name),
             process_group=self.process_group,
             strict=strict,
             timeout=self.timeout,
         )
+        if StrictHandling(strict).returns:
+            result, missing, unexpected = loaded
+            return resavable(state, result), missing, unexpected
+        return resavable(state, loaded)
 
     def _resolve(self, name: str | None) -> str:
         self._settle()
@@ -341,3 +361,22 @@ __all__ = [
     "parse_step",
     "step_name",
 ]
+
+
+def resavable(template: Any, loaded: Any) -> Any:
+    """``loaded`` with the template's sharded entries put back around the loaded values."""
+    if isinstance(template, ShardedTensor):
+        if template.data is None and isinstance(loaded, torch.Tensor):
+            return replace(template, data=loaded)
+        return template
+    if isinstance(template, (ShardedObject, ShardedTensorFactory)):
+        return replace(template, data=loaded)
+    if isinstance(template, (LocalNonPersistentObject, CoordinatorObject)):
+        return replace(template, obj=loaded)
+    if isinstance(template, dict) and isinstance(loaded, dict):
+        out = {k: resavable(template[k], v) if k in template else v for k, v in loaded.items()}
+        out.update({k: v for k, v in template.items() if k not in loaded})  # skipped keys
+        return out
+    if isinstance(template, list) and isinstance(loaded, list) and len(template) == len(loaded):
+        return [resavable(t, v) for t, v in zip(template, loaded, strict=True)]
+    return loaded

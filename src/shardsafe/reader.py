@@ -22,7 +22,7 @@ from .errors import CheckpointError, CorruptCheckpointError, MissingKeyError
 from .format import MANIFEST_NAME, Manifest
 from .geometry import find_overlap, first_uncovered, full_box
 from .loading import read_manifest
-from .sharding import ShardedObject, ShardedTensor
+from .sharding import ShardedObject, ShardedTensor, TensorRef
 
 
 class CheckpointReader:
@@ -112,12 +112,18 @@ class CheckpointReader:
         with DataReader(self.storage, self.manifest.block_bytes) as reader:
             return decode(entry.value, self._fetch(reader), f"{self._where}: object {unique_key!r}")
 
-    def common(self) -> Any:
-        """The common (non-sharded) state saved by the coordinator."""
+    def common(self, tensors: bool = False) -> Any:
+        """The common (non-sharded) state saved by the coordinator.
+
+        Plain tensor leaves of the saved state dict are stored as tensors: ``tensors=True``
+        puts each back in its place (read whole), otherwise they are left out as sharded
+        entries are (their keys are in :meth:`tensor_keys`).
+        """
         with DataReader(self.storage, self.manifest.block_bytes) as reader:
             value = decode(
                 self.manifest.common, self._fetch(reader), f"{self._where}: common state"
             )
+        value = _place_refs(value, self.read_tensor if tensors else None)
         return value if value is not None else {}
 
     # -- integrity ------------------------------------------------------------------------
@@ -222,3 +228,18 @@ def load_plain_tensors(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def load_common_state_dict(path: str | os.PathLike[str]) -> Any:
     return CheckpointReader(path).common()
+
+
+def _place_refs(tree: Any, read: Callable[[str], torch.Tensor] | None) -> Any:
+    """Each :class:`TensorRef` read (``read``) or left out (dict entries dropped, list items None)."""
+    if isinstance(tree, TensorRef):
+        return read(tree.key) if read else None
+    if isinstance(tree, dict):
+        return {
+            k: _place_refs(v, read)
+            for k, v in tree.items()
+            if read is not None or not isinstance(v, TensorRef)
+        }
+    if isinstance(tree, list):
+        return [_place_refs(v, read) for v in tree]
+    return tree

@@ -19,14 +19,15 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .codec import encode
+from .checksum import digest
+from .codec import encode, tensor_bytes
 from .dist import Comm, error_record, outcome, raise_for
 from .dtypes import dtype_name
 from .engine import split_balanced, write_data_file
-from .errors import CheckpointExistsError, ValidationError
+from .errors import CheckpointExistsError, UnsafeObjectError, ValidationError
 from .format import (
     MANIFEST_NAME,
     Extent,
@@ -35,11 +36,14 @@ from .format import (
 from .location import Location
 from .planning import GlobalPlan, LocalPlan, ObjectDesc, PieceDesc, RankAssignment, make_global_plan
 from .sharding import (
+    CoordinatorObject,
+    Path,
     ShardedObject,
     ShardedTensor,
     SplitStateDict,
     adapt,
     apply_factories,
+    format_path,
     is_main_replica,
     split_state_dict,
 )
@@ -87,8 +91,14 @@ def object_desc(obj: ShardedObject) -> ObjectDesc:
 
 
 def prepare(sharded_state_dict: Any, rank: int) -> tuple[SplitStateDict, LocalPlan]:
-    """Apply factories, split off common state, describe this rank's pieces."""
+    """Apply factories, split off common state, describe this rank's pieces.
+
+    Plain tensor leaves are replicas of one whole tensor: rank 0's is the main one.
+    """
     split = split_state_dict(apply_factories(adapt(sharded_state_dict)))
+    for i in split.replicated:
+        path, st = split.tensors[i]
+        split.tensors[i] = (path, replace(st, replica_id=rank))
     for _, st in split.tensors:
         if st.data is None:
             raise ValidationError(f"{st.key!r}: a ShardedTensor without data cannot be saved")
@@ -99,6 +109,71 @@ def prepare(sharded_state_dict: Any, rank: int) -> tuple[SplitStateDict, LocalPl
         tuple(object_desc(o) for _, o in split.objects),
     )
     return split, plan
+
+
+def replica_digests(split: SplitStateDict, tensors: bool = True) -> dict[str, str]:
+    """A digest per common leaf and per plain (replicated) tensor, named as errors name them.
+
+    Encoding every common leaf here also refuses, before anything is written, a value that
+    could not be stored or loaded back.
+    """
+    out: dict[str, str] = {}
+
+    def walk(node: Any, path: Path) -> None:
+        if isinstance(node, CoordinatorObject):
+            return
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, (*path, k))
+            return
+        if isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, (*path, i))
+            return
+        try:
+            enc = encode(node, "")
+        except (ValidationError, UnsafeObjectError) as e:
+            raise type(e)(f"{format_path(path)}: {e}") from None
+        parts = [json.dumps(enc.node, sort_keys=True).encode()]
+        parts += [bytes(b) for b in enc.blobs.values()]
+        out[f"common state {format_path(path)}"] = digest(b"\0".join(parts))
+
+    walk(split.common, ())
+    for i in split.replicated if tensors else ():
+        st = split.tensors[i][1]
+        assert st.data is not None
+        out[f"tensor {st.key!r}"] = digest(tensor_bytes(st.data))
+    return out
+
+
+def divergence(digests: Sequence[dict[str, str]]) -> str | None:
+    """Which common leaves / replicated tensors differ between ranks, or None."""
+    names = sorted(set().union(*digests))
+    bad = []
+    for name in names:
+        values = [d.get(name) for d in digests]
+        if len(set(values)) > 1:
+            groups: dict[str | None, list[int]] = {}
+            for rank, v in enumerate(values):
+                groups.setdefault(v, []).append(rank)
+            ranks = "; ".join(
+                ("absent on" if v is None else "one value on") + f" ranks {rs}"
+                for v, rs in groups.items()
+            )
+            bad.append(f"{name} ({ranks})")
+    if not bad:
+        return None
+    more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+    return (
+        f"{len(bad)} value{'s' if len(bad) != 1 else ''} that every rank must hold identically "
+        f"differ between ranks: {', '.join(bad[:10])}{more}. Common state and plain tensors are "
+        "saved once; give each rank's part its own key (ShardedTensor / ShardedObject), or wrap "
+        "the value in shardsafe.CoordinatorObject to store rank 0's copy on purpose"
+    )
+
+
+def combined(digests: dict[str, str]) -> str:
+    return digest(json.dumps(sorted(digests.items())).encode())
 
 
 # --------------------------------------------------------------------------- planning
@@ -143,11 +218,14 @@ def plan_save(
 ) -> PlannedSave:
     """Collective: validate and plan (or reuse the cached plan); raise the same error everywhere."""
 
-    def checked() -> tuple[SplitStateDict, LocalPlan]:
+    def checked() -> tuple[SplitStateDict, LocalPlan, dict[str, str]]:
         check_content_metadata(content_metadata)
-        return prepare(sharded_state_dict, comm.rank)
+        split, plan = prepare(sharded_state_dict, comm.rank)
+        return split, plan, replica_digests(split, tensors=comm.distributed)
 
-    prepared, err = outcome(checked)
+    prepared3, err = outcome(checked)
+    prepared = prepared3[:2] if prepared3 else None
+    digests = prepared3[2] if prepared3 else {}
     structure = (
         f"{comm.world_size}/{comm.rank}/{prepared[1].structure_hash()}" if prepared else None
     )
@@ -168,9 +246,17 @@ def plan_save(
             abort(loc, token)
         raise
     votes = comm.all_gather(
-        {"cached": candidate, "error": err, "token": token if comm.is_coordinator else None}
+        {
+            "cached": candidate,
+            "error": err,
+            "token": token if comm.is_coordinator else None,
+            "digest": combined(digests),
+        }
     )
     errors = [v["error"] for v in votes]
+    if not any(errors) and len({v["digest"] for v in votes}) > 1:
+        every = comm.all_gather(digests)
+        errors = [error_record(ValidationError(divergence(every) or "state differs"))] * len(votes)
     if any(errors):
         if began:
             abort(loc, token)

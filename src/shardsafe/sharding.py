@@ -7,7 +7,10 @@ A *sharded state dict* is a nested dict/list whose leaves are:
 * :class:`ShardedObject` — a per-rank Python object placed in an n-d grid (RNG states...);
 * :class:`ShardedTensorFactory` — a deferred transform applied the same way on save and load;
 * :class:`LocalNonPersistentObject` — returned on load, never saved;
-* anything else — *common* state, saved once by the coordinator.
+* a plain ``torch.Tensor`` (an ``nn.Parameter``, a ``model.state_dict()`` value) — a whole tensor
+  replicated on every rank, keyed by its dotted path (as PyTorch DCP keys it);
+* :class:`CoordinatorObject` — common state taken from the coordinator as is, not compared;
+* anything else — *common* state, which must agree across ranks, saved once by the coordinator.
 """
 
 from __future__ import annotations
@@ -327,16 +330,66 @@ class LocalNonPersistentObject:
         return self.obj
 
 
+@dataclass
+class CoordinatorObject:
+    """Common state whose value the coordinator alone decides: saved from rank 0's copy, and
+    never compared with the other ranks' copies (which may legitimately differ). Plain tensors
+    inside stay common state. ``load`` puts the stored value in its place."""
+
+    obj: Any
+
+    def unwrap(self) -> Any:
+        return self.obj
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where a plain tensor leaf stood in the common tree: the key it is stored under."""
+
+    key: str
+
+
 ShardedEntity = ShardedTensor | ShardedObject
 
 
 @dataclass
 class SplitStateDict:
-    """A state dict taken apart: sharded leaves by path, the rest as the common tree."""
+    """A state dict taken apart: sharded leaves by path, the rest as the common tree.
+
+    ``replicated`` holds the indices into ``tensors`` that came from plain tensor leaves:
+    whole tensors every rank holds, whose copies must agree.
+    """
 
     tensors: list[tuple[Path, ShardedTensor]] = field(default_factory=list)
     objects: list[tuple[Path, ShardedObject]] = field(default_factory=list)
     common: Any = None
+    replicated: list[int] = field(default_factory=list)
+    coordinator_only: list[Path] = field(default_factory=list)
+
+
+def path_key(path: Path) -> str:
+    """The key a plain tensor leaf is stored under: its path joined with dots (DCP's naming)."""
+    if not path:
+        return "tensor"
+    return ".".join(str(p) for p in path)
+
+
+def replicated_tensor(path: Path, tensor: torch.Tensor) -> ShardedTensor:
+    """A plain tensor leaf as the whole global tensor ``path_key(path)`` (a replica)."""
+    data = tensor.detach()
+    shape = tuple(data.shape)
+    return ShardedTensor(path_key(path), data, data.dtype, shape, shape, (0,) * len(shape))
+
+
+def is_plain_tensor(node: Any) -> bool:
+    """A tensor leaf with a dense layout that adapters left alone (DTensors are adapted first)."""
+    return (
+        isinstance(node, torch.Tensor)
+        and node.layout == torch.strided
+        and not node.is_quantized
+        and not node.is_nested
+        and type(node) in (torch.Tensor, torch.nn.Parameter)
+    )
 
 
 class _Placeholder:
@@ -393,15 +446,26 @@ def iter_leaves(tree: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
         yield path, tree
 
 
-def split_state_dict(tree: Any) -> SplitStateDict:
+def split_state_dict(tree: Any, plain_tensors: bool = True) -> SplitStateDict:
     """Separate sharded entities from common state; drop non-persistent values.
 
     The common tree keeps the dict/list structure: sharded entries are removed from dicts and
-    replaced by :data:`PLACEHOLDER` in lists, so positions survive a round trip.
+    replaced by :data:`PLACEHOLDER` in lists, so positions survive a round trip. With
+    ``plain_tensors``, a plain tensor leaf becomes a whole replicated :class:`ShardedTensor`
+    keyed by its path, and a :class:`TensorRef` marks its place in the common tree (so a load
+    without a template for it still puts it back where it was).
     """
     out = SplitStateDict()
 
     def walk(node: Any, path: Path) -> Any:
+        if isinstance(node, CoordinatorObject):
+            out.coordinator_only.append(path)
+            return node
+        if plain_tensors and is_plain_tensor(node):
+            out.replicated.append(len(out.tensors))
+            st = replicated_tensor(path, node)
+            out.tensors.append((path, st))
+            return TensorRef(st.key)
         if isinstance(node, ShardedTensorFactory):
             raise ValidationError(f"{_fmt(path)}: apply_factories must run before split_state_dict")
         if isinstance(node, ShardedTensor):

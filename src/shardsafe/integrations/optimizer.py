@@ -80,8 +80,26 @@ def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-def _geometry(entry: Any) -> _Geometry | None:
-    """The geometry of a model entry: a ShardedTensor, or a DTensor's factory."""
+def _geometry(entry: Any, path: str = "") -> _Geometry | None:
+    """The geometry of a model entry: a ShardedTensor, a DTensor's factory, or (as in a plain
+    ``model.state_dict()``) a DTensor or a whole tensor, keyed by its dotted ``path``."""
+    if is_dtensor(entry):
+        dtensor = entry
+
+        def like_plain_dtensor(key: str, t: torch.Tensor) -> list[ShardedTensor]:
+            return dtensor_pieces(key, dtensor, data=t)
+
+        return _Geometry(path, local_tensor(dtensor), like_plain_dtensor)
+    if isinstance(entry, torch.Tensor) and path:
+        rank = _group_rank()
+
+        def whole(key: str, t: torch.Tensor) -> list[ShardedTensor]:
+            shape = tuple(t.shape)
+            return [
+                ShardedTensor.from_global_offset(key, t, shape, (0,) * len(shape), replica_id=rank)
+            ]
+
+        return _Geometry(path, entry.detach(), whole)
     data = getattr(entry, "data", None)
     if isinstance(entry, ShardedTensor) and isinstance(data, torch.Tensor):
         st = entry
@@ -122,7 +140,7 @@ def _match_params(
     by_key: dict[str, _Geometry] = {}
     by_storage: dict[tuple[Any, ...], _Geometry | None] = {}
     for path, leaf in _walk(model_sharded_state_dict):
-        geo = _geometry(leaf)
+        geo = _geometry(leaf, path)
         if geo is None:
             continue
         by_path[path] = geo
@@ -135,7 +153,9 @@ def _match_params(
             found = by_path.get(name) or by_key.get(name)
             if found is None:
                 raise KeyError(
-                    f"parameter {name!r} has no ShardedTensor in the model's sharded state dict"
+                    f"parameter {name!r} has no entry in the model's state dict (its keys: "
+                    f"{sorted(by_path)[:8]}); pass the state dict of the model these parameters "
+                    "belong to, with the same names"
                 )
             out[id(p)] = found
         return out
@@ -161,8 +181,9 @@ def optimizer_sharded_state_dict(
 ) -> dict[str, Any]:
     """The optimizer's state as a sharded state dict, each state tensor sharded like its param.
 
-    Parameters are matched to the model's entries (from :func:`to_sharded_state_dict`, or
-    any ShardedTensors whose data is the parameter itself) by storage, or by name through
+    Parameters are matched to the model's entries (a plain or FSDP2/DTensor
+    ``model.state_dict()``, :func:`to_sharded_state_dict`'s result, or any ShardedTensors
+    whose data is the parameter itself) by storage, or by name through
     ``params_by_name`` (``dict(model.named_parameters())``; needed when storage does not
     tell parameters apart, e.g. several empty shards sharing one address). The result is
     ``{"state": {param key: {name: piece or value}}, "param_groups": [...], "_params":
@@ -184,7 +205,8 @@ def optimizer_sharded_state_dict(
                 if per_param:
                     raise KeyError(
                         f"optimizer parameter {pi} of group {gi} (shape {tuple(p.shape)}) has state "
-                        "but no entry in the model's sharded state dict; pass params_by_name"
+                        "but no entry in the model's state dict: pass that model's state_dict() "
+                        "(plain, DTensor or sharded), or params_by_name=dict(model.named_parameters())"
                     )
                 keys.append("")
                 continue

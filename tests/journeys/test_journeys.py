@@ -1,0 +1,309 @@
+"""Journeys: what a user runs, generation after generation, in new processes each time.
+
+Each journey saves, starts new processes (often in another layout), restores, trains a few
+steps and saves again, at least three times; at the end every tensor must equal what an
+uninterrupted run computes (or, where the layouts compute differently, exactly what the
+previous generation saved). Training is arranged so that every layout does the same float
+operations in the same order (data-parallel halves are summed as two micro-batches).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from distributed import run_ranks
+
+import shardsafe
+from shardsafe import CheckpointManager, ShardedTensor
+
+pytestmark = pytest.mark.timeout(240)
+
+ROWS, COLS = 6, 4
+LR = 0.05
+
+
+def _np(tree):
+    """Tensors as numpy arrays, to travel back from the rank processes."""
+    if isinstance(tree, dict):
+        return {k: _np(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        t = tree.full_tensor() if hasattr(tree, "full_tensor") else tree
+        return t.detach().clone().numpy()
+    return tree
+
+
+def _same(a, b, where=""):
+    if isinstance(a, dict):
+        assert set(a) == set(b), (where, sorted(a), sorted(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), where
+    else:
+        assert a == b, where
+
+
+# --------------------------------------------------------------------------- README manager loop
+
+
+def _readme_loop(rank, world, root, total_steps):
+    """The README's manager loop as written: the state is built once, before the loop."""
+    rows = ROWS // world
+    w = torch.zeros(rows, COLS)
+    state = {"w": ShardedTensor.from_rank_offsets("layer.w", w, (0, rank, world)), "step": 0}
+    manager = CheckpointManager(root, keep_last=3, keep_every=1000, async_save=True)
+    if manager.latest_step() is not None:  # resume, in whatever layout this run uses
+        state = manager.restore(state)  # fills the tensors in place
+    for step in range(state["step"] + 1, total_steps):
+        w.mul_(0.5).add_(torch.arange(rank * rows, (rank + 1) * rows)[:, None] * step)  # train
+        if step % 2 == 0:
+            state["step"] = step
+            manager.save(step, state)
+    manager.close()
+    return _np(w), rank * rows
+
+
+def test_readme_manager_loop_over_three_generations_and_layouts(tmp_path):
+    root = str(tmp_path / "ckpt")
+    ends = [(2, 5), (1, 9), (2, 13)]  # (ranks, total_steps): the last saved step is end - 1 or - 2
+    for world, end in ends:
+        parts = run_ranks(_readme_loop, world, root, end)
+    ref = torch.zeros(ROWS, COLS)
+    step = 0
+    for _, end in ends:  # each run resumes from the last *saved* step, as the loop does
+        for s in range(step + 1, end):
+            ref.mul_(0.5).add_(torch.arange(ROWS)[:, None] * s)
+            if s % 2 == 0:
+                saved, step = ref.clone(), s
+        ref = saved.clone()
+    got = np.concatenate([p for p, _ in sorted(parts, key=lambda x: x[1])])
+    # the last run trained past its last save: compare the checkpoint, and the live tensor
+    last = shardsafe.load(
+        {"w": ShardedTensor.from_rank_offsets("layer.w", torch.empty(ROWS, COLS))},
+        f"{root}/step_{step:09d}",
+    )
+    assert torch.equal(last["w"], saved) and last["step"] == step == 12
+    assert got.shape == (ROWS, COLS)
+    assert shardsafe.CheckpointReader(f"{root}/step_{step:09d}").tensor_keys() == ["layer.w"]
+
+
+# --------------------------------------------------------------------------- plain module + Adam
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(5, 7)
+        self.drop = torch.nn.Dropout(0.25)
+        self.fc2 = torch.nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _half_loss(model, step, half):
+    x, y = _batch(step)
+    sl = slice(half * 4, half * 4 + 4)
+    return torch.nn.functional.mse_loss(model(x[sl]), y[sl])
+
+
+def _plain_generation(rank, world, path_in, path_out, steps):
+    """One process: plain module + Adam through state_dict() / load_state_dict()."""
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    step = 0
+    if path_in:
+        template = {
+            "model": model.state_dict(),
+            "optim": opt.state_dict(),
+            "rng": torch.get_rng_state(),
+            "step": 0,
+        }
+        out = shardsafe.load(template, path_in)
+        opt.load_state_dict(out["optim"])
+        torch.set_rng_state(out["rng"])
+        step = out["step"]
+    first = step + 1
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        for half in (0, 1):
+            (_half_loss(model, step, half) * 0.5).backward()
+        opt.step()
+    if path_out:
+        state = {
+            "model": model.state_dict(),
+            "optim": opt.state_dict(),
+            "rng": torch.get_rng_state(),
+            "step": step,
+        }
+        shardsafe.save(state, path_out)
+    return _np({"model": model.state_dict(), "optim": opt.state_dict()["state"][0]})
+
+
+def test_plain_module_and_adam_over_three_generations(tmp_path):
+    paths = [None] + [str(tmp_path / f"g{i}") for i in range(3)]
+    for i in range(3):
+        got = run_ranks(_plain_generation, 1, paths[i], paths[i + 1], 3)[0]
+    (ref,) = run_ranks(_plain_generation, 1, None, None, 9)
+    _same(got, ref)
+    reader = shardsafe.CheckpointReader(paths[-1])
+    assert (
+        "model.fc1.weight" in reader.tensor_keys()
+        and "optim.state.0.exp_avg" in reader.tensor_keys()
+    )
+    assert reader.verify().ok
+
+
+# --------------------------------------------------------------------------- DDP -> 1 -> DDP
+
+
+def _ddp_generation(rank, world, path_in, path_out, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = Net()
+    model.drop.p = 0.0  # ranks draw no random numbers: the layouts stay comparable
+    ddp = DDP(model) if world > 1 else model
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    step = 0
+    if path_in:
+        out = shardsafe.load(
+            {"model": model.state_dict(), "optim": opt.state_dict(), "step": 0}, path_in
+        )
+        opt.load_state_dict(out["optim"])
+        step = out["step"]
+    first = step + 1
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        if world > 1:  # DDP averages the two ranks' gradients: g0/2 + g1/2
+            _half_loss(ddp, step, rank).backward()
+        else:  # the same sum as two micro-batches
+            for half in (0, 1):
+                (_half_loss(model, step, half) * 0.5).backward()
+        opt.step()
+    shardsafe.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, path_out)
+    return _np({"model": model.state_dict(), "optim": opt.state_dict()["state"][0]})
+
+
+def test_ddp_to_one_process_to_ddp(tmp_path):
+    paths = [None] + [str(tmp_path / f"g{i}") for i in range(3)]
+    for i, world in enumerate((2, 1, 2)):
+        got = run_ranks(_ddp_generation, world, paths[i], paths[i + 1], 2)
+    (ref,) = run_ranks(_ddp_generation, 1, None, str(tmp_path / "ref"), 6)
+    _same(got[0], got[1])
+    _same(got[0], ref)
+    assert shardsafe.load({"step": 0}, paths[-1])["step"] == 6
+
+
+# --------------------------------------------------------------------------- FSDP2 and TP
+
+
+def _mesh(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def _fsdp_generation(rank, world, path_in, path_out, api):
+    """FSDP2 on 2 ranks, or the plain module in one process; model + Adam state."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    model = Net()
+    model.drop.p = 0.0
+    if world > 1:
+        fully_shard(model.fc1, mesh=_mesh(world))  # 7 rows over 2 ranks: uneven shards
+        fully_shard(model, mesh=_mesh(world))
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    loaded = None
+    if path_in:
+        if api == "dcp":
+            msd = get_model_state_dict(model)
+            osd = get_optimizer_state_dict(model, opt)  # initialises the optimizer's state
+            out = shardsafe.load({"model": msd, "optim": osd}, path_in)
+            set_optimizer_state_dict(model, opt, out["optim"])
+        else:
+            msd = model.state_dict()
+            out = shardsafe.load({"model": msd}, path_in)
+        loaded = _np(model.state_dict())
+    for step in (1, 2):
+        opt.zero_grad()
+        _half_loss(model, step, rank).backward()
+        opt.step()
+    if api == "dcp":
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, opt),
+        }
+    else:
+        state = {"model": model.state_dict()}
+    shardsafe.save(state, path_out)
+    return loaded, _np(model.state_dict())
+
+
+@pytest.mark.parametrize("api", ["dcp", "state_dict"])
+def test_fsdp2_two_ranks_to_one_to_two(tmp_path, api):
+    paths = [None] + [str(tmp_path / f"g{i}") for i in range(3)]
+    saved = None
+    for i, world in enumerate((2, 1, 2)):
+        results = run_ranks(_fsdp_generation, world, paths[i], paths[i + 1], api)
+        for loaded, _ in results:
+            if saved is not None:
+                _same(loaded, saved)  # exactly what the previous generation trained
+        saved = results[0][1]
+    if api == "dcp":
+        reader = shardsafe.CheckpointReader(paths[-1])
+        assert "optim.state.fc1.weight.exp_avg" in reader.tensor_keys()
+
+
+def _tp_generation(rank, world, path_in, path_out):
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = Net()
+    model.drop.p = 0.0
+    if world > 1:
+        parallelize_module(
+            model, _mesh(world), {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        )
+    loaded = None
+    if path_in:
+        # parameters themselves (requires_grad=True) are the destinations
+        params = dict(model.named_parameters())
+        shardsafe.load({"model": params}, path_in)
+        assert all(p.requires_grad for p in model.parameters())
+        loaded = _np(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in (1, 2):
+        opt.zero_grad()
+        _half_loss(model, step, 0).backward()
+        opt.step()
+    shardsafe.save({"model": model.state_dict()}, path_out)
+    return loaded, _np(model.state_dict())
+
+
+def test_tensor_parallel_two_ranks_to_one_with_parameters(tmp_path):
+    paths = [None] + [str(tmp_path / f"g{i}") for i in range(3)]
+    saved = None
+    for i, world in enumerate((2, 1, 2)):
+        results = run_ranks(_tp_generation, world, paths[i], paths[i + 1])
+        for loaded, _ in results:
+            if saved is not None:
+                _same(loaded, saved)
+        saved = results[0][1]
+    assert Path(paths[-1], "manifest.json").exists()

@@ -1,0 +1,134 @@
+"""What frameworks hand us: plain tensors, parameters, the state a restore returned."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_ranks
+
+import shardsafe
+from shardsafe import (
+    CheckpointReader,
+    CoordinatorObject,
+    ShardedTensor,
+    ValidationError,
+)
+from shardsafe.errors import UnsafeObjectError
+
+
+class _Custom:
+    def __init__(self) -> None:
+        self.x = 1
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def test_plain_state_dict_is_stored_as_tensors_and_loaded_in_place(tmp_path):
+    model = _model()
+    shardsafe.save({"model": model.state_dict(), "step": 3}, tmp_path / "c")
+    reader = CheckpointReader(tmp_path / "c")
+    assert sorted(reader.tensor_keys()) == sorted(f"model.{k}" for k in model.state_dict())
+    assert reader.verify().ok
+    assert reader.common() == {"model": {}, "step": 3}
+    other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    template = {"model": other.state_dict()}
+    out = shardsafe.load(template, tmp_path / "c")
+    for k, v in model.state_dict().items():
+        assert torch.equal(other.state_dict()[k], v)
+        assert out["model"][k] is template["model"][k]
+    assert out["step"] == 3
+
+
+def test_plain_tensor_loads_into_another_layout(tmp_path):
+    w = torch.arange(24.0).reshape(6, 4)
+    shardsafe.save({"w": w}, tmp_path / "c")
+    half = torch.nn.Parameter(torch.zeros(3, 4))
+    shardsafe.load({"w": ShardedTensor.from_rank_offsets("w", half, (0, 1, 2))}, tmp_path / "c")
+    assert torch.equal(half.detach(), w[3:])
+
+
+@pytest.mark.parametrize("no_grad", [False, True])
+@pytest.mark.parametrize("flat", [False, True])
+def test_parameters_as_destinations_when_the_layout_changes(tmp_path, no_grad, flat):
+    w = torch.arange(64.0).reshape(8, 8)
+    halves = [ShardedTensor.from_rank_offsets("w", w[4 * i : 4 * i + 4], (0, i, 2)) for i in (0, 1)]
+    shardsafe.save({"a": halves[0], "b": halves[1], "w2": w.clone()}, tmp_path / "c")
+    # rows 2..6 straddle both stored pieces; columns 2..5 of the plain tensor "w2" are strided
+    p = torch.nn.Parameter(torch.zeros(4, 8))
+    q = torch.nn.Parameter(torch.zeros(24) if flat else torch.zeros(8, 3))
+    if flat:
+        req = ShardedTensor.from_rank_offsets_flat("w2", q, (8, 8), flattened_range=slice(20, 44))
+    else:
+        req = ShardedTensor.from_global_offset("w2", q, (8, 8), (0, 2))
+    grown = torch.nn.Parameter(torch.ones(9, 8))
+    grown_req = ShardedTensor.from_global_offset(
+        "w", grown, (9, 8), (0, 0), allow_shape_mismatch=True
+    )
+    template = {
+        "p": ShardedTensor.from_global_offset("w", p, (8, 8), (2, 0)),
+        "q": req,
+        "g": grown_req,
+    }
+    ctx = torch.no_grad() if no_grad else torch.enable_grad()
+    with ctx:
+        shardsafe.load(template, tmp_path / "c", threads=4)
+    assert p.requires_grad and q.requires_grad and grown.requires_grad
+    assert torch.equal(p.detach(), w[2:6])
+    expect = w.reshape(-1)[20:44] if flat else w[:, 2:5]
+    assert torch.equal(q.detach(), expect)
+    assert torch.equal(grown.detach()[:8], w) and not grown.detach()[8].any()
+    (p.sum() + q.sum()).backward()  # autograd still works on the loaded parameters
+    assert p.grad is not None and q.grad is not None
+
+
+def test_fresh_optimizer_gets_its_state_back(tmp_path):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    shardsafe.save({"optim": opt.state_dict()}, tmp_path / "c")
+    fresh = torch.optim.Adam(_model().parameters(), lr=0.1)
+    out = shardsafe.load({"optim": fresh.state_dict()}, tmp_path / "c")
+    fresh.load_state_dict(out["optim"])
+    for a, b in zip(opt.state.values(), fresh.state.values(), strict=True):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_storing_what_load_would_refuse_fails_at_save(tmp_path):
+    with pytest.raises(UnsafeObjectError, match="_Custom"):
+        shardsafe.save({"x": _Custom()}, tmp_path / "c")
+    with pytest.raises(ValidationError, match="cannot store"):
+        shardsafe.save({"f": lambda: 1}, tmp_path / "d")
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
+
+def _diverge(rank, world, path, what):
+    state = {"step": 5, "cfg": {"lr": 0.1}}
+    if what == "common":
+        state["cfg"]["lr"] = 0.1 * (rank + 1)
+    elif what == "tensor":
+        state["rows"] = torch.full((2, 3), float(rank))
+    elif what == "opt_out":
+        state["rows"] = CoordinatorObject(torch.full((2, 3), float(rank)))
+        state["seed"] = CoordinatorObject(rank)
+    try:
+        shardsafe.save(state, path)
+    except ValidationError as e:
+        return str(e)
+    out = shardsafe.load({"rows": CoordinatorObject(None), "seed": 0}, path)
+    return [out["rows"].tolist(), out["seed"]]
+
+
+@pytest.mark.timeout(120)
+def test_divergent_common_state_raises_on_every_rank_naming_the_key(tmp_path):
+    msgs = run_ranks(_diverge, 2, str(tmp_path / "a"), "common")
+    assert all("['cfg']['lr']" in m and "differ between ranks" in m for m in msgs), msgs
+    msgs = run_ranks(_diverge, 2, str(tmp_path / "b"), "tensor")
+    assert all("tensor 'rows'" in m for m in msgs), msgs
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    out = run_ranks(_diverge, 2, str(tmp_path / "c"), "opt_out")
+    assert out[0] == out[1] == [[[0.0] * 3] * 2, 0]
