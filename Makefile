@@ -4,6 +4,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# torch from pip's configured index; plain PyPI gives the CUDA build on Linux. For the CPU
+# build: make venv TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 
 .PHONY: demo test lint bench clean venv
 
@@ -12,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q '$(TORCH_SPEC)' $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 

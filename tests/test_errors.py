@@ -671,9 +671,8 @@ def test_flipped_byte_is_a_checksum_mismatch_naming_key_and_file(ckpt):
 
 def test_flipped_byte_in_a_common_state_blob(tmp_path):
     path = tmp_path / "ck"
-    shardsafe.save(
-        {"t": torch.arange(4), "step": 1}, path
-    )  # a common-state tensor is stored as a blob
+    # a tensor kept in common state (CoordinatorObject) is stored as a blob
+    shardsafe.save({"t": shardsafe.CoordinatorObject(torch.arange(4)), "step": 1}, path)
     ((blob_id, extent),) = _manifest(path)["blobs"].items()
     _flip_byte(path / extent["file"], extent["byte_offset"])
     with pytest.raises(CorruptCheckpointError) as info:

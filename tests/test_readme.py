@@ -1,4 +1,4 @@
-"""The README's fifteen-line example runs as written, on 2 ranks launched by torchrun."""
+"""The README's first example runs as written, on 2 ranks launched by torchrun."""
 
 import os
 import re
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _example() -> str:
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Fifteen lines") :]
+    section = text[text.index("## A first example") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

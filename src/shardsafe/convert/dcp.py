@@ -118,6 +118,7 @@ class DcpSource:
         self._tensors: dict[str, _TensorEntry] = {}
         self._objects: dict[str, Any] = {}
         self._common: dict[str, Any] | None = None
+        self._paths: dict[str, tuple[str | int, ...]] = {}
         for file in self._metadata_files():
             self._index(file)
 
@@ -148,7 +149,8 @@ class DcpSource:
         return len(self._entry(key).chunks)
 
     def common(self) -> dict[str, Any]:
-        """Megatron's ``common.pt`` (if present) plus every object item, by its flat DCP key."""
+        """Megatron's ``common.pt`` (if present) plus every object item, nested again as the
+        saved state dict was (DCP's ``planner_data`` records each flat key's path)."""
         if self._common is None:
             state: dict[str, Any] = {}
             common_file = self.path / MEGATRON_COMMON_FILE
@@ -157,7 +159,19 @@ class DcpSource:
                     loaded = load_torch_payload(f, str(common_file), trust=self.trust)
                 state.update(loaded if isinstance(loaded, dict) else {"common": loaded})
             for key, info in self._objects.items():
-                state[key] = self._load_record(info, f"object {key!r}", tensor=False)
+                value = self._load_record(info, f"object {key!r}", tensor=False)
+                path = self._paths.get(key, (key,))
+                if len(path) > 1 and not isinstance(state.get(path[0], {}), dict):
+                    path = (key,)  # the nesting would clash with another entry: keep it flat
+                node = state
+                for p in path[:-1]:
+                    node = node.setdefault(p, {})
+                    if not isinstance(node, dict):
+                        break
+                else:
+                    node[path[-1]] = value
+                    continue
+                state[key] = value
             self._common = state
         return dict(self._common)
 
@@ -231,6 +245,16 @@ class DcpSource:
         for index, info in storage.items():
             offset = getattr(index, "offset", None)
             where[(getattr(index, "fqn", ""), None if offset is None else tuple(offset))] = info
+        paths = getattr(metadata, "planner_data", None)
+        if isinstance(paths, dict):  # DCP's flattening: flat key -> path in the nested dict
+            for key, path in paths.items():
+                if (
+                    isinstance(key, str)
+                    and isinstance(path, (tuple, list))
+                    and path
+                    and all(type(p) in (str, int) for p in path)
+                ):
+                    self._paths[key] = tuple(path)
         for key, meta in entries.items():
             if hasattr(meta, "chunks"):
                 self._index_tensor(file, key, meta, where)

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..errors import CheckpointExistsError
 from .dcp import METADATA_FILE, is_dcp_checkpoint
-from .flatten import describe, flatten_state
-from .source import Progress, TensorSource, read_checked, tensor_nbytes
+from .flatten import describe, drop_emptied, flatten_state, weights_only_tree
+from .source import Progress, TensorSource, read_checked, tensor_nbytes, warn_unexported
 
 
 class _SourcePlanner(DefaultSavePlanner):
@@ -70,20 +70,33 @@ def export_dcp(
         _clear(dst)
     dst.mkdir(parents=True, exist_ok=True)
 
+    warn_unexported(source, "export_dcp")
     keys = source.tensor_keys()
     state: dict[str, Any] = {}
     for key in keys:
         shape, dtype = source.tensor_meta(key)
         state[key] = torch.empty(shape, dtype=dtype, device="meta")
-    flat, unreadable = flatten_state(source.common())
-    skipped = describe(unreadable) + [f"{k} (name taken by a tensor)" for k in flat if k in state]
+    # Nested common state stays nested: DCP flattens it itself and records the paths
+    # (planner_data), so torch.distributed.checkpoint.load and our reader rebuild the nesting.
+    common, unreadable = weights_only_tree(source.common())
+    flat, _ = flatten_state(common)
+    drop_emptied(flat, keys)
+    taken = [k for k in flat if k in state]
+    skipped = describe(unreadable) + [f"{k} (name taken by a tensor)" for k in taken]
     if skipped:
         warnings.warn(
-            f"export_dcp: {len(skipped)} common entr{'y' if len(skipped) == 1 else 'ies'} skipped, not "
-            f"readable with torch.load(weights_only=True): {', '.join(skipped)}",
+            f"export_dcp: {len(skipped)} common entr{'y' if len(skipped) == 1 else 'ies'} not "
+            f"exported: {', '.join(skipped)}",
             stacklevel=2,
         )
-    state.update({k: v for k, v in flat.items() if k not in state})
+    for name, value in common.items():
+        if name in state:
+            continue
+        if isinstance(value, dict):
+            value = _prune(value, str(name), set(taken), keys)
+            if value is None:
+                continue
+        state[name] = value
 
     total = sum(tensor_nbytes(*source.tensor_meta(k)) for k in keys)
     planner = _SourcePlanner(source, keys, progress, total)
@@ -94,3 +107,22 @@ def export_dcp(
             state, storage_writer=writer, planner=planner, no_dist=True
         )
     return dst
+
+
+def _prune(tree: dict[str, Any], path: str, taken: set[str], tensor_keys: list[str]) -> Any:
+    """``tree`` without entries whose dotted name a tensor holds, or emptied by the export."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        name = f"{path}.{k}"
+        if name in taken:
+            continue
+        if isinstance(v, dict) and v:
+            v = _prune(v, name, taken, tensor_keys)
+            if v is None:
+                continue
+        elif isinstance(v, dict) and any(t.startswith(f"{name}.") for t in tensor_keys):
+            continue
+        out[k] = v
+    if not out and (tree or any(t.startswith(f"{path}.") for t in tensor_keys)):
+        return None
+    return out

@@ -62,3 +62,38 @@ def flatten_state(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, An
     for key, value in tree.items():
         visit(str(key), value)
     return flat, skipped
+
+
+def drop_emptied(flat: dict[str, Any], tensor_keys: list[str]) -> None:
+    """Remove empty containers whose contents went out as tensors (``model = {}`` beside
+    ``model.fc.weight``); a container that was empty in the saved state stays."""
+    for name in [k for k, v in flat.items() if isinstance(v, (dict, list, tuple)) and not v]:
+        if any(t.startswith(f"{name}.") for t in tensor_keys):
+            del flat[name]
+
+
+def weights_only_tree(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(kept, skipped)``: ``tree`` with its nesting, minus the leaves (by dotted key) that a
+    weights-only load could not read back. Dicts emptied that way disappear."""
+    skipped: dict[str, Any] = {}
+
+    def prune(path: str, value: Any) -> Any:
+        if isinstance(value, argparse.Namespace):
+            value = vars(value)
+        if isinstance(value, Mapping):
+            out = {k: prune(f"{path}.{k}", v) for k, v in value.items()}
+            return {k: v for k, v in out.items() if v is not _DROP}
+        if is_weights_only_value(value):
+            return (
+                value.detach().as_subclass(torch.Tensor)
+                if isinstance(value, torch.Tensor)
+                else value
+            )
+        skipped[path] = value
+        return _DROP
+
+    kept = {k: prune(str(k), v) for k, v in tree.items()}
+    return {k: v for k, v in kept.items() if v is not _DROP}, skipped
+
+
+_DROP = object()

@@ -24,7 +24,7 @@ from ..format import Extent, FileEntry, Manifest, StoredPiece, TensorEntry, data
 from ..location import locate
 from ..reader import CheckpointReader
 from ..saving import abort, begin, work_dir
-from .source import Progress, TensorSource, read_checked, total_nbytes
+from .source import Progress, TensorSource, read_checked, total_nbytes, warn_unexported
 
 
 def open_shardsafe(path: str | os.PathLike[str], *, trust: bool = False) -> CheckpointReader:
@@ -44,6 +44,7 @@ def export_shardsafe(
     loc = locate(dst)
     token = uuid.uuid4().hex[:16]
     begin(loc, token, overwrite)
+    warn_unexported(source, "export_shardsafe")
     try:
         keys = source.tensor_keys()
         metas = {k: source.tensor_meta(k) for k in keys}

@@ -107,3 +107,22 @@ class DictSource:
             return self._tensors[key]
         except KeyError:
             raise MissingKeyError(f"no tensor {key!r} in this source") from None
+
+
+def warn_unexported(source: TensorSource, what: str) -> None:
+    """Warn, naming them, about the per-rank objects (ShardedObjects) an export leaves out:
+    they have no place in a single-process format."""
+    import warnings
+
+    inner: Any = source
+    while hasattr(inner, "source"):
+        inner = inner.source
+    manifest = getattr(inner, "manifest", None)
+    keys = sorted(getattr(manifest, "objects", None) or ())
+    if keys:
+        shown = ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
+        warnings.warn(
+            f"{what}: {len(keys)} per-rank object{'s' if len(keys) != 1 else ''} (ShardedObject) "
+            f"not exported: {shown}; read them with CheckpointReader.read_object",
+            stacklevel=3,
+        )

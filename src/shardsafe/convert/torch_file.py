@@ -20,9 +20,17 @@ import torch
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, MissingKeyError
 from .errors import UnsupportedFormatError
-from .flatten import describe, flatten_state
+from .flatten import describe, drop_emptied, flatten_state
 from .safe_pickle import load_torch_payload
-from .source import Progress, Shape, TensorSource, read_checked, tensor_bytes, tensor_nbytes
+from .source import (
+    Progress,
+    Shape,
+    TensorSource,
+    read_checked,
+    tensor_bytes,
+    tensor_nbytes,
+    warn_unexported,
+)
 from .torch_zip import ZipRecord, patch_crcs, zip_records
 
 
@@ -68,9 +76,11 @@ def export_torch(
     if dst.exists() and not overwrite:
         raise CheckpointExistsError(f"{dst} exists; pass overwrite=True to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
+    warn_unexported(source, "export_torch")
     keys = source.tensor_keys()
     metas = {k: source.tensor_meta(k) for k in keys}
     flat, unreadable = flatten_state(source.common())
+    drop_emptied(flat, keys)
     skipped = describe(unreadable)
     for name in [k for k in flat if k in metas]:
         skipped.append(f"{name} (name taken by a tensor)")
