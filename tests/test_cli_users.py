@@ -68,7 +68,9 @@ def test_convert_names_the_flag_and_help_shows_defaults(tmp_path, capsys):
     (tmp_path / "out.pt").write_bytes(b"x")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert main(["convert", str(tmp_path / "c"), str(tmp_path / "out.pt"), "--to", "torch"]) == 2
+        assert (
+            main(["convert", str(tmp_path / "c"), str(tmp_path / "out.pt"), "--to", "torch"]) == 2
+        )
     err = capsys.readouterr().err
     assert "--overwrite" in err and "overwrite=True" not in err
     sub = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
@@ -82,7 +84,9 @@ def test_exports_keep_nesting_and_name_what_they_leave_out(tmp_path):
 
     _save(tmp_path / "c")
     with pytest.warns(UserWarning, match=r"per-rank object.*rng"):
-        shardsafe.convert.export_torch(shardsafe.CheckpointReader(tmp_path / "c"), tmp_path / "t.pt")
+        shardsafe.convert.export_torch(
+            shardsafe.CheckpointReader(tmp_path / "c"), tmp_path / "t.pt"
+        )
     flat = torch.load(tmp_path / "t.pt", weights_only=True)
     assert "model" not in flat and flat["layout.tp"] == 2 and "model.weight" in flat
     with pytest.warns(UserWarning, match=r"per-rank object.*rng"):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import shardsafe
+import shardsafe.codec
 from shardsafe import (
     CheckpointError,
     CheckpointExistsError,
@@ -731,10 +732,17 @@ class Custom:
         self.value = value
 
 
-def test_non_allowlisted_class_refused_without_running_its_code(tmp_path):
+def test_non_allowlisted_class_refused_without_running_its_code(tmp_path, monkeypatch):
     marker = tmp_path / "marker"
     path = tmp_path / "ck"
-    shardsafe.save({"w": ST.from_rank_offsets("w", torch.ones(2)), "evil": Evil(str(marker))}, path)
+    state = {"w": ST.from_rank_offsets("w", torch.ones(2)), "evil": Evil(str(marker))}
+    with pytest.raises(UnsafeObjectError, match=r"Evil.*loading it back would be refused"):
+        shardsafe.save(state, path)  # refused at save, without running its code either
+    assert not marker.exists() and not path.exists()
+    # a checkpoint written by something that does not check (another writer, an attacker)
+    monkeypatch.setattr(shardsafe.codec, "check_loads_back", lambda data, name: None)
+    shardsafe.save(state, path)
+    monkeypatch.undo()
     assert not marker.exists()
     for fn in (
         lambda: shardsafe.load({"w": ST.from_rank_offsets("w", torch.zeros(2))}, path),
@@ -754,7 +762,10 @@ def test_non_allowlisted_class_refused_without_running_its_code(tmp_path):
 
 def test_non_allowlisted_class_loads_once_allowed(tmp_path):
     path = tmp_path / "ck"
-    shardsafe.save({"obj": ShardedObject("cfg", Custom(5), (1,), (0,))}, path)
+    with pytest.raises(UnsafeObjectError, match=rf"add_safe_globals\(\[{__name__}.Custom\]\)"):
+        shardsafe.save({"obj": ShardedObject("cfg", Custom(5), (1,), (0,))}, path)
+    with torch.serialization.safe_globals([Custom]):  # allowed when saving, as when loading
+        shardsafe.save({"obj": ShardedObject("cfg", Custom(5), (1,), (0,))}, path)
     with pytest.raises(CorruptCheckpointError) as info:
         shardsafe.load({"obj": ShardedObject("cfg", None, (1,), (0,))}, path)
     msg = str(info.value)
@@ -970,7 +981,7 @@ def test_cli_verify_and_inspect_exit_codes(ckpt, tmp_path):
 
     rc, out, err = results["ok"]
     assert rc == 0, err
-    assert out.startswith("OK ") and str(ckpt) in out and "2 tensors, 1 objects" in out
+    assert out.startswith("OK ") and str(ckpt) in out and "2 tensors, 1 object," in out
 
     rc, out, err = results["flipped"]
     assert rc == 1, (out, err)

@@ -115,10 +115,9 @@ def test_deletion_only_after_the_new_checkpoint_commits(tmp_path: Path) -> None:
     assert during == [[2]] and m.steps() == [3]
     # A failing save deletes nothing and leaves the pointer alone.
     bad = state(4)
-    bad["oops"] = lambda: None  # cannot be stored
-    h = m.save(4, bad)
-    with pytest.raises(CheckpointError):
-        h.result(timeout=30)
+    bad["oops"] = lambda: None  # cannot be stored: refused while planning, before any write
+    with pytest.raises(CheckpointError, match="oops"):
+        m.save(4, bad).result(timeout=30)
     assert m.steps() == [3] and m.latest_step() == 3
     assert listing(tmp_path) == ["latest", "step_000000003"]
     m.close()

@@ -126,15 +126,7 @@ def encode(tree: Any, blob_prefix: str) -> EncodedTree:
                 f"cannot store a {name} in a checkpoint: {e}; store plain data (numbers, strings, "
                 "lists, dicts, tensors) or a ShardedObject of it"
             ) from e
-        try:  # what load would refuse is refused now, before anything is written
-            torch.load(io.BytesIO(buf.getvalue()), weights_only=True, map_location="cpu")
-        except pickle.UnpicklingError as e:
-            raise UnsafeObjectError(
-                f"cannot store a {name}: loading it back would be refused: {_refusal(e)}; "
-                "store plain data (numbers, strings, lists, dicts, tensors) instead"
-            ) from None
-        except Exception as e:
-            raise ValidationError(f"cannot store a {name}: it does not load back: {e}") from None
+        check_loads_back(buf.getvalue(), name)
         return {
             "$torch_save": {
                 "type": f"{type(x).__module__}.{type(x).__qualname__}",
@@ -144,6 +136,19 @@ def encode(tree: Any, blob_prefix: str) -> EncodedTree:
 
     out.node = enc(tree)
     return out
+
+
+def check_loads_back(pickled: bytes, name: str) -> None:
+    """Refuse to store what ``decode`` would refuse to load, with the message load would give."""
+    try:
+        torch.load(io.BytesIO(pickled), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        raise UnsafeObjectError(
+            f"cannot store a {name}: loading it back would be refused: {_refusal(e)}; "
+            "or store plain data (numbers, strings, lists, dicts, tensors) instead"
+        ) from None
+    except Exception as e:
+        raise ValidationError(f"cannot store a {name}: it does not load back: {e}") from None
 
 
 def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "manifest") -> Any:

@@ -36,6 +36,7 @@ from .format import (
 from .location import Location
 from .planning import GlobalPlan, LocalPlan, ObjectDesc, PieceDesc, RankAssignment, make_global_plan
 from .sharding import (
+    PLACEHOLDER,
     CoordinatorObject,
     Path,
     ShardedObject,
@@ -120,8 +121,8 @@ def replica_digests(split: SplitStateDict, tensors: bool = True) -> dict[str, st
     out: dict[str, str] = {}
 
     def walk(node: Any, path: Path) -> None:
-        if isinstance(node, CoordinatorObject):
-            return
+        if isinstance(node, CoordinatorObject) or node is PLACEHOLDER:
+            return  # rank 0's by choice; a sharded entry (lists keep its place)
         if isinstance(node, dict):
             for k, v in node.items():
                 walk(v, (*path, k))
