@@ -533,12 +533,12 @@ def _merge(
 
 def _lookup(tree: Any, path: Path) -> Any:
     for p in path:
-        if (isinstance(tree, dict) and p in tree) or (
-            isinstance(tree, list) and isinstance(p, int) and 0 <= p < len(tree)
-        ):
+        if isinstance(tree, list) and isinstance(p, int) and 0 <= p < len(tree):
             tree = tree[p]
-        else:
+        elif not isinstance(tree, dict) or p not in tree:
             return None
+        else:
+            tree = tree[p]
     return tree
 
 

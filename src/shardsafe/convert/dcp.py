@@ -160,10 +160,11 @@ class DcpSource:
                 state.update(loaded if isinstance(loaded, dict) else {"common": loaded})
             for key, info in self._objects.items():
                 value = self._load_record(info, f"object {key!r}", tensor=False)
-                path = self._paths.get(key, (key,))
-                if len(path) > 1 and not isinstance(state.get(path[0], {}), dict):
+                path: tuple[Any, ...] = self._paths.get(key, (key,))
+                nested: dict[Any, Any] = state
+                if len(path) > 1 and not isinstance(nested.get(path[0], {}), dict):
                     path = (key,)  # the nesting would clash with another entry: keep it flat
-                node = state
+                node = nested
                 for p in path[:-1]:
                     node = node.setdefault(p, {})
                     if not isinstance(node, dict):
