@@ -132,3 +132,67 @@ def test_divergent_common_state_raises_on_every_rank_naming_the_key(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     out = run_ranks(_diverge, 2, str(tmp_path / "c"), "opt_out")
     assert out[0] == out[1] == [[[0.0] * 3] * 2, 0]
+
+
+def _fsdp_optimizer(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardsafe.integrations.optimizer import (
+        init_optimizer_state,
+        load_optimizer_state,
+        optimizer_sharded_state_dict,
+    )
+
+    def build():
+        model = _model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    model, opt = build()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    msd = model.state_dict()  # DTensors, as FSDP2 hands them
+    shardsafe.save({"model": msd, "optim": optimizer_sharded_state_dict(opt, msd)}, path)
+    fresh, fopt = build()
+    init_optimizer_state(fopt)
+    fsd = fresh.state_dict()
+    out = shardsafe.load({"model": fsd, "optim": optimizer_sharded_state_dict(fopt, fsd)}, path)
+    load_optimizer_state(fopt, out["optim"])
+    for a, b in zip(opt.state.values(), fopt.state.values(), strict=True):
+        for k in a:
+            full = [getattr(t, "full_tensor", lambda t=t: t)() for t in (a[k], b[k])]
+            assert torch.equal(*full), k
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_state_from_an_fsdp2_model_state_dict(tmp_path):
+    assert run_ranks(_fsdp_optimizer, 2, str(tmp_path / "c")) == [True, True]
+
+
+def test_optimizer_state_from_a_plain_model_state_dict(tmp_path):
+    from shardsafe.integrations.optimizer import (
+        init_optimizer_state,
+        load_optimizer_state,
+        optimizer_sharded_state_dict,
+    )
+
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    msd = model.state_dict()
+    shardsafe.save({"model": msd, "optim": optimizer_sharded_state_dict(opt, msd)}, tmp_path / "c")
+    assert "optimizer.state.exp_avg.0.weight" in CheckpointReader(tmp_path / "c").tensor_keys()
+    fresh = _model()
+    fopt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    init_optimizer_state(fopt)
+    fsd = fresh.state_dict()
+    out = shardsafe.load(
+        {"model": fsd, "optim": optimizer_sharded_state_dict(fopt, fsd)}, tmp_path / "c"
+    )
+    load_optimizer_state(fopt, out["optim"])
+    for a, b in zip(opt.state.values(), fopt.state.values(), strict=True):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
