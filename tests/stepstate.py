@@ -67,7 +67,14 @@ class StepState:
         }
 
     def assert_holds_step(self, out: dict[str, Any], step: int) -> None:
-        assert torch.equal(out["w"], self.full_w(step))
-        assert torch.equal(out["b"], torch.arange(8) + step)
-        assert out["rng"] == [{"seed": r, "step": step} for r in range(self.world)]
+        """``out`` from ``load``, or from ``CheckpointManager.restore`` (entries kept sharded)."""
+
+        def data(x: Any) -> Any:
+            return x.data if isinstance(x, (ShardedTensor, ShardedObject)) else x
+
+        assert torch.equal(data(out["w"]), self.full_w(step))
+        assert torch.equal(data(out["b"]), torch.arange(8) + step)
+        assert [data(o) for o in out["rng"]] == [
+            {"seed": r, "step": step} for r in range(self.world)
+        ]
         assert out["step"] == step

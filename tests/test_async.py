@@ -72,7 +72,10 @@ def test_async_error_reaches_the_handle_and_nothing_is_committed(tmp_path):
     with pytest.raises(shardsafe.CheckpointExistsError):
         saver.async_save(state(), tmp_path / "taken")
     sd = state()
-    sd["bad"] = lambda: None  # cannot be stored: fails while staging
+    sd["bad"] = lambda: None  # cannot be stored: common state is refused while planning
+    with pytest.raises(shardsafe.ValidationError, match=r"\['bad'\].*function"):
+        saver.async_save(sd, tmp_path / "bad")
+    sd["bad"] = shardsafe.ShardedObject("bad", lambda: None, (1,), (0,))  # fails while staging
     handle = saver.async_save(sd, tmp_path / "bad")
     with pytest.raises(shardsafe.CheckpointError, match="function"):
         handle.result(timeout=60)

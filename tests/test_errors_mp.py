@@ -359,12 +359,12 @@ def test_invalid_sharding_raises_the_same_validation_error_on_every_rank(results
     [
         (
             "r1_lock_object",
-            "CheckpointError",
+            "ValidationError",
             ["cannot store", "_thread.lock", "on rank 1 during save"],
         ),
         (
             "r1_lambda_object",
-            "CheckpointError",
+            "ValidationError",
             ["cannot store", "function", "on rank 1 during save"],
         ),
         (

@@ -330,16 +330,17 @@ class _LoadJob:
         self.factories: list[tuple[Path, ShardedTensorFactory]] = []
         self.tree = _apply_factories_recording(adapt(template), (), self.factories)
         self.split = split_state_dict(self.tree)
-        self.common = self._decode_common()
+        self._common: Any = _ABSENT
         # Checkpoints written before plain tensors were stored as tensors hold them in the
         # common state: those are filled from there, in place.
         self.plain_paths = {self.split.tensors[i][0] for i in self.split.replicated}
-        legacy = {
-            st.key
+        absent = [
+            (path, st.key)
             for path, st in self.split.tensors
-            if path in self.plain_paths
-            and st.key not in manifest.tensors
-            and isinstance(_lookup(self.common, path), torch.Tensor)
+            if path in self.plain_paths and st.key not in manifest.tensors
+        ]
+        legacy = {
+            key for path, key in absent if isinstance(_lookup(self.common, path), torch.Tensor)
         }
         self.requested = {st.key for _, st in self.split.tensors} | {
             o.unique_key for _, o in self.split.objects
@@ -414,11 +415,14 @@ class _LoadJob:
 
         return fetch
 
-    def _decode_common(self) -> Any:
-        with DataReader(self.storage, self.manifest.block_bytes, self.max_buffer) as reader:
-            return decode(
-                self.manifest.common, self._fetcher(reader), f"{self.where}: common state"
-            )
+    @property
+    def common(self) -> Any:
+        """The checkpoint's common state, decoded once when first needed."""
+        if self._common is _ABSENT:
+            with DataReader(self.storage, self.manifest.block_bytes, self.max_buffer) as reader:
+                fetch = self._fetcher(reader)
+                self._common = decode(self.manifest.common, fetch, f"{self.where}: common state")
+        return self._common
 
     def finish(self) -> Any:
         """Decode objects; merge everything into the template's structure; read the stored
