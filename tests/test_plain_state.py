@@ -196,3 +196,20 @@ def test_optimizer_state_from_a_plain_model_state_dict(tmp_path):
     for a, b in zip(opt.state.values(), fopt.state.values(), strict=True):
         for k in a:
             assert torch.equal(a[k], b[k]), k
+
+
+def _parallel_into_parameters(rank, world, path):
+    w = torch.arange(24.0).reshape(6, 4)
+    shardsafe.save(
+        {"w": ShardedTensor.from_rank_offsets("w", w[3 * rank : 3 * rank + 3], (0, rank, 2))}, path
+    )
+    p = torch.nn.Parameter(torch.zeros(4, 4))  # rows 1..5: both ranks request it whole
+    req = ShardedTensor.from_global_offset("w", p, (6, 4), (1, 0), replica_id=rank)
+    shardsafe.load({"w": req}, path, fully_parallel=True)
+    assert p.requires_grad and torch.equal(p.detach(), w[1:5])
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_fully_parallel_exchange_fills_parameters(tmp_path):
+    assert run_ranks(_parallel_into_parameters, 2, str(tmp_path / "c")) == [True, True]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed import preload_forkserver
+from distributed import RankFailure, preload_forkserver
 from distributed import run_ranks as spawn_ranks
 
 import shardsafe
@@ -59,8 +59,15 @@ def _same(a, b, where=""):
 # --------------------------------------------------------------------------- README manager loop
 
 
-def _readme_loop(rank, world, root, total_steps):
-    """The README's manager loop as written: the state is built once, before the loop."""
+def _readme_loop(rank, world, root, total_steps, killed=False):
+    """The README's manager loop as written: the state is built once, before the loop.
+
+    ``killed``: every rank is SIGKILLed 16 bytes into its first checkpoint write.
+    """
+    if killed:
+        from faultinject import kill_self, patch_data_writes
+
+        patch_data_writes(16, kill_self)
     rows = ROWS // world
     w = torch.zeros(rows, COLS)
     state = {"w": ShardedTensor.from_rank_offsets("layer.w", w, (0, rank, world)), "step": 0}
@@ -79,8 +86,12 @@ def _readme_loop(rank, world, root, total_steps):
 def test_readme_manager_loop_over_three_generations_and_layouts(tmp_path):
     root = str(tmp_path / "ckpt")
     ends = [(2, 5), (1, 9), (2, 13)]  # (ranks, total_steps): the last saved step is end - 1 or - 2
-    for world, end in ends:
+    for i, (world, end) in enumerate(ends):
         parts = run_ranks(_readme_loop, world, root, end)
+        if i == 0:  # a generation killed while writing its first checkpoint (step 6)
+            with pytest.raises(RankFailure, match="exited with code -9"):
+                run_ranks(_readme_loop, 2, root, 9, True)
+            assert CheckpointManager(root).latest_step() == 4  # and its leftovers are cleaned
     ref = torch.zeros(ROWS, COLS)
     step = 0
     for _, end in ends:  # each run resumes from the last *saved* step, as the loop does
@@ -98,6 +109,12 @@ def test_readme_manager_loop_over_three_generations_and_layouts(tmp_path):
     assert torch.equal(last["w"], saved) and last["step"] == step == 12
     assert got.shape == (ROWS, COLS)
     assert shardsafe.CheckpointReader(f"{root}/step_{step:09d}").tensor_keys() == ["layer.w"]
+    assert sorted(p.name for p in Path(root).iterdir()) == [
+        "latest",
+        "step_000000008",
+        "step_000000010",
+        "step_000000012",
+    ]
 
 
 # --------------------------------------------------------------------------- plain module + Adam
