@@ -213,3 +213,15 @@ def _parallel_into_parameters(rank, world, path):
 @pytest.mark.timeout(120)
 def test_fully_parallel_exchange_fills_parameters(tmp_path):
     assert run_ranks(_parallel_into_parameters, 2, str(tmp_path / "c")) == [True, True]
+
+
+def test_tensors_kept_in_common_state_still_load_in_place(tmp_path):
+    """Checkpoints written before plain tensors were stored as tensors (common-state blobs)."""
+    w = torch.arange(6.0).reshape(2, 3)
+    shardsafe.save({"model": {"w": CoordinatorObject(w)}, "step": 2}, tmp_path / "c")
+    assert CheckpointReader(tmp_path / "c").tensor_keys() == []
+    dest = torch.nn.Parameter(torch.zeros(2, 3))
+    out = shardsafe.load({"model": {"w": dest}}, tmp_path / "c")
+    assert out["model"]["w"] is dest and torch.equal(dest.detach(), w) and dest.requires_grad
+    with pytest.raises(shardsafe.MissingKeyError, match="model.v"):
+        shardsafe.load({"model": {"v": torch.zeros(2)}}, tmp_path / "c")
