@@ -453,6 +453,8 @@ class _LoadJob:
             raise CorruptCheckpointError(
                 f"{self.where}: the common state refers to tensor {key!r}, which is not stored"
             )
+        for piece in entry.pieces:  # the shape is backed by bytes on disk before allocating it
+            reader.check_extent(piece.extent, f"tensor {key!r}")
         dtype = dtype_from_name(entry.dtype, self.where)
         shape = tuple(entry.shape)
         st = ShardedTensor(key, None, dtype, shape, shape, (0,) * len(shape))
