@@ -33,6 +33,8 @@ def test_plain_state_dict_is_stored_as_tensors_and_loaded_in_place(tmp_path):
     assert sorted(reader.tensor_keys()) == sorted(f"model.{k}" for k in model.state_dict())
     assert reader.verify().ok
     assert reader.common() == {"model": {}, "step": 3}
+    whole = reader.common(tensors=True)
+    assert all(torch.equal(whole["model"][k], v) for k, v in model.state_dict().items())
     other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     template = {"model": other.state_dict()}
     out = shardsafe.load(template, tmp_path / "c")
