@@ -42,7 +42,7 @@ from .saving import (
     write_share,
 )
 from .sharding import ShardedTensor
-from .signals import StoreChannel
+from .signals import DEAD_AFTER, StoreChannel
 from .staging import StagingPool
 
 log = logging.getLogger("shardsafe")
@@ -83,7 +83,15 @@ class AsyncSaveHandle:
         return exc
 
     def add_done_callback(self, fn: Callable[[AsyncSaveHandle], Any]) -> None:
-        self._future.add_done_callback(lambda _: fn(self))
+        """Call ``fn(handle)`` when done; an exception it raises is logged, never lost."""
+
+        def call(_: Any) -> None:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("a done-callback of the async save into %s raised", self.path)
+
+        self._future.add_done_callback(call)
 
 
 class Saver:
@@ -98,11 +106,15 @@ class Saver:
         timeout: float = 1800.0,
         cache_plan: bool = True,
         max_staging_bytes: int | None = None,
+        dead_after: float = DEAD_AFTER,
     ) -> None:
         self.process_group = process_group
         self.files_per_rank = files_per_rank
         self.block_bytes = block_bytes
-        self.timeout = timeout
+        self.timeout = timeout  # for every rank to reach planning
+        # a rank silent this long while writing or committing is dead (named on every rank);
+        # a slow rank that heartbeats is waited for
+        self.dead_after = dead_after
         # host memory an async save may stage at once; beyond it, waves are staged and written
         # before async_save returns (the last one is written in the background)
         self.max_staging_bytes = max_staging_bytes
@@ -135,6 +147,7 @@ class Saver:
             ]
             return s
 
+        channel = self._channel(comm, planned)
         t1 = time.perf_counter()
         result, err = outcome(
             lambda: write_share(
@@ -147,19 +160,8 @@ class Saver:
             )
         )
         t_write = time.perf_counter() - t1
-        try:
-            comm.arrive("save commit", self.timeout)
-            gathered = comm.gather({"result": result, "error": err})
-        except BaseException:
-            if comm.is_coordinator:  # a rank died or hangs: remove the work directory and the lock
-                abort(planned.loc, planned.token)
-            raise
-        status = (
-            finalize(planned, gathered, overwrite, content_metadata, self.block_bytes)
-            if gathered is not None
-            else {}
-        )
-        status = comm.broadcast(status)
+        record = {"result": result, "error": err}
+        status = self._commit(comm, channel, planned, record, overwrite, content_metadata)
         raise_for(status.get("errors") or [], "save")
         stats = _stats(planned, result, status, t0, t_plan, t_write)
         stats.seconds_blocked = stats.seconds
@@ -211,12 +213,17 @@ class Saver:
             s.items[:0] = stage(groups[-1])
             return s
 
-        share, err = outcome(stage_all)
-        channel = StoreChannel(comm, planned.token) if comm.distributed else None
-        blocked = time.perf_counter() - t0
         staged_bytes = sum(planned.local_plan.pieces[i].nbytes for i in planned.assignment.pieces)
-        if progress is not None:
-            progress("staged", staged_bytes, staged_bytes)
+
+        def stage_and_report() -> ShareItems:
+            staged = stage_all()
+            if progress is not None:  # inside the error gathering, like every user callback
+                progress("staged", staged_bytes, staged_bytes)
+            return staged
+
+        channel = self._channel(comm, planned)
+        share, err = outcome(stage_and_report)
+        blocked = time.perf_counter() - t0
         log.debug(
             "rank %d staged %d bytes for %s in %.3f s",
             comm.rank,
@@ -292,17 +299,37 @@ class Saver:
         overwrite: bool,
         content_metadata: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
+        """The one commit of blocking and async saves: post this rank's record; the coordinator
+        collects every record (naming ranks that stop heartbeating), commits or cleans up,
+        and publishes the outcome that every rank returns."""
         if channel is None:
             return finalize(planned, [record], overwrite, content_metadata, self.block_bytes)
-        channel.post(record)
-        if comm.is_coordinator:
-            records = channel.collect(self.timeout)
-            status = finalize(planned, records, overwrite, content_metadata, self.block_bytes)
-            channel.publish(status)
-        else:
-            status = channel.await_status(self.timeout + 60)
-        channel.cleanup()
+        try:
+            channel.post(record)
+            if comm.is_coordinator:
+                try:
+                    records = channel.collect()
+                except BaseException:
+                    abort(planned.loc, planned.token, planned.lease)
+                    raise
+                status = finalize(planned, records, overwrite, content_metadata, self.block_bytes)
+                channel.publish(status)
+            else:
+                status = channel.await_status()
+        finally:
+            channel.cleanup()
         return status
+
+    def _channel(self, comm: Comm, planned: PlannedSave) -> StoreChannel | None:
+        """Start heartbeating for this save (right after planning, before any slow step)."""
+        if not comm.distributed:
+            return None
+        try:
+            return StoreChannel(comm, planned.token, dead_after=self.dead_after)
+        except BaseException:
+            if comm.is_coordinator:
+                abort(planned.loc, planned.token, planned.lease)
+            raise
 
     def _settle_previous(self) -> None:
         """Wait for the save in flight; its failure stays on its handle (and in the log)."""
