@@ -26,6 +26,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as tdist
+
 from .dist import Comm
 from .errors import DistributedError, describe_ranks
 
@@ -47,6 +49,32 @@ def default_store() -> Any:
         raise DistributedError(f"cannot reach the process group's store: {e}") from e
 
 
+def _clients(store: Any, n: int) -> list[Any] | None:
+    """``n`` fresh connections to the TCP store behind ``store``, or None for another kind.
+
+    A store client serialises its requests: a thread blocked in ``wait`` would hold up the
+    heartbeat of the same client, so the waiting thread and the heartbeat get their own.
+    """
+    tcp = store
+    while not isinstance(tcp, tdist.TCPStore):
+        tcp = getattr(tcp, "underlying_store", None)
+        if tcp is None:
+            return None
+    return [
+        tdist.PrefixStore(
+            "shardsafe",
+            tdist.TCPStore(
+                tcp.host,
+                tcp.port,
+                is_master=False,
+                timeout=timedelta(seconds=60),
+                wait_for_workers=False,
+            ),
+        )
+        for _ in range(n)
+    ]
+
+
 class StoreChannel:
     """Keys ``shardsafe/<token>/...`` in the store, for one save; heartbeats while open."""
 
@@ -62,29 +90,73 @@ class StoreChannel:
     ) -> None:
         self.comm = comm
         self.prefix = f"shardsafe/{token}"
-        self.store = store if store is not None else default_store()
+        shared = store if store is not None else default_store()
+        clients = _clients(shared, 2)
+        # the main thread's blocking waits, and the heartbeat/watch thread, on separate connections
+        self.store, self.beat_store = clients if clients is not None else (shared, shared)
+        self.blocking = clients is not None
         self.dead_after = dead_after
         self.interval = min(interval, dead_after / 4)
         self.log_every = log_every
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._watch: tuple[set[int], str, Any] | None = None
         self.store.set(self._key(f"host{comm.rank}"), socket.gethostname())
         self.store.add(self._key(f"beat{comm.rank}"), 1)
-        self._beater = threading.Thread(target=self._beat, name="shardsafe-heartbeat", daemon=True)
-        self._beater.start()
+        self._thread = threading.Thread(target=self._run, name="shardsafe-heartbeat", daemon=True)
+        self._thread.start()
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
 
-    def _beat(self) -> None:
-        key = self._key(f"beat{self.comm.rank}")
-        while not self._stop.wait(self.interval):
-            try:
-                self.store.add(key, 1)
-            except Exception:  # the store is gone; the waits will say so
-                return
-
     def stop(self) -> None:
         self._stop.set()
+        self._thread.join()
+
+    # -- the heartbeat thread: beat, and watch the ranks the main thread waits for ---------------
+    def _run(self) -> None:
+        beat = self._key(f"beat{self.comm.rank}")
+        seen: dict[int, tuple[int, float]] = {}
+        last_log = time.monotonic()
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat_store.add(beat, 1)
+                with self._lock:
+                    watch = self._watch
+                if watch is not None:
+                    last_log = self._check(watch, seen, last_log)
+            except Exception:  # the store is gone; the main thread's wait says so
+                return
+
+    def _check(
+        self, watch: tuple[set[int], str, Any], seen: dict[int, tuple[int, float]], last_log: float
+    ) -> float:
+        """Fill the awaited key of a rank that stopped heartbeating with an error (which
+        wakes the blocked wait); log the ranks that are slow but alive."""
+        ranks, what, key_of = watch
+        now = time.monotonic()
+        pending = [r for r in sorted(ranks) if not self.beat_store.check([key_of(r)])]
+        for r in pending:
+            beats = int(self.beat_store.add(self._key(f"beat{r}"), 0))
+            if r not in seen or seen[r][0] != beats:
+                seen[r] = (beats, now)
+            elif now - seen[r][1] > self.dead_after:
+                why = "never started heartbeating" if beats == 0 else "stopped heartbeating"
+                message = (
+                    f"rank {r} on {self.host(r)} {why} {now - seen[r][1]:.1f} s ago while "
+                    f"{what} (its process died or is frozen)"
+                )
+                dead = {"dead": message}
+                self.beat_store.compare_set(key_of(r), "", json.dumps(dead))
+        if pending and now - last_log >= self.log_every:
+            log.warning(
+                "rank %d: still waiting for %s %s (alive and heartbeating)",
+                self.comm.rank,
+                describe_ranks(pending),
+                what,
+            )
+            return now
+        return last_log
 
     # -- posting and waiting ----------------------------------------------------------------
     def post(self, record: dict[str, Any]) -> None:
@@ -92,70 +164,50 @@ class StoreChannel:
 
     def host(self, rank: int) -> str:
         try:
-            return bytes(self.store.get(self._key(f"host{rank}"))).decode()
+            return bytes(self.beat_store.get(self._key(f"host{rank}"))).decode()
         except Exception:
             return "unknown host"
 
-    def _wait(self, ranks: set[int], what: str, key_of: Any) -> dict[int, str]:
-        """Block until ``key_of(r)`` exists for every rank in ``ranks``, or a rank among the
-        missing stops heartbeating: returns {dead rank: why}."""
-        pending = set(ranks)
-        seen: dict[int, tuple[int, float]] = {}
-        start = last_log = time.monotonic()
-        while pending:
-            keys = [key_of(r) for r in sorted(pending)]
-            try:
-                self.store.wait(keys, timedelta(seconds=self.interval))
-                return {}
-            except Exception as e:
-                if not _is_timeout(e):
-                    raise _store_lost(self.comm.rank, what, e) from None
-            now = time.monotonic()
-            pending = {r for r in pending if not self.store.check([key_of(r)])}
-            dead = {}
-            for r in pending:
-                beats = int(self.store.add(self._key(f"beat{r}"), 0))
-                if r not in seen or seen[r][0] != beats:
-                    seen[r] = (beats, now)
-                elif now - seen[r][1] > self.dead_after:
-                    why = "never started" if beats == 0 else "stopped heartbeating"
-                    dead[r] = (
-                        f"rank {r} on {self.host(r)} {why} {now - seen[r][1]:.1f} s ago while "
-                        f"{what} (its process died or is frozen)"
-                    )
-            if dead:
-                return dead
-            if pending and now - last_log >= self.log_every:
-                last_log = now
-                log.warning(
-                    "rank %d: still waiting %.0f s for %s %s (alive and heartbeating)",
-                    self.comm.rank,
-                    now - start,
-                    describe_ranks(sorted(pending)),
-                    what,
-                )
-        return {}
+    def _wait(self, ranks: set[int], what: str, key_of: Any, waiting_for: str) -> dict[int, Any]:
+        """Block until ``key_of(r)`` exists for every rank in ``ranks`` (a dead rank's key is
+        filled by the heartbeat thread); returns what each key holds."""
+        with self._lock:
+            self._watch = (ranks, what, key_of)
+        try:
+            keys = [key_of(r) for r in sorted(ranks)]
+            if self.blocking:
+                self.store.wait(keys, timedelta(days=365))
+            else:
+                while not all(self.store.check([k]) for k in keys):
+                    time.sleep(self.interval / 5)
+            return {r: json.loads(self.store.get(key_of(r))) for r in sorted(ranks)}
+        except Exception as e:
+            raise _store_lost(self.comm.rank, waiting_for, e) from None
+        finally:
+            with self._lock:
+                self._watch = None
 
     def collect(self) -> list[dict[str, Any]]:
         """Coordinator: every rank's record; a rank that stops heartbeating gets an error record."""
-        dead = self._wait(
-            set(range(self.comm.world_size)), "writing its share", lambda r: self._key(f"rank{r}")
+        got = self._wait(
+            set(range(self.comm.world_size)),
+            "writing its share",
+            lambda r: self._key(f"rank{r}"),
+            "every rank's write record",
         )
         records: list[dict[str, Any]] = []
         for r in range(self.comm.world_size):
-            if r in dead:
-                records.append(
-                    {
-                        "error": {
-                            "type": "DistributedError",
-                            "message": dead[r],
-                            "origin": "DeadRank",
-                            "trace": "",
-                        }
+            rec = got[r]
+            if "dead" in rec:
+                rec = {
+                    "error": {
+                        "type": "DistributedError",
+                        "message": rec["dead"],
+                        "origin": "DeadRank",
+                        "trace": "",
                     }
-                )
-            else:
-                records.append(json.loads(self.store.get(self._key(f"rank{r}"))))
+                }
+            records.append(rec)
         return records
 
     def publish(self, status: dict[str, Any]) -> None:
@@ -163,12 +215,14 @@ class StoreChannel:
 
     def await_status(self) -> dict[str, Any]:
         """The coordinator's outcome; raises naming it if it stops heartbeating first."""
-        dead = self._wait({0}, "committing", lambda r: self._key("status"))
-        if dead:
+        status = self._wait(
+            {0}, "committing", lambda r: self._key("status"), "the coordinator's commit outcome"
+        )[0]
+        if "dead" in status:
             raise DistributedError(
-                f"rank {self.comm.rank}: no commit outcome from the coordinator: {dead[0]}"
+                f"rank {self.comm.rank}: no commit outcome from the coordinator: {status['dead']}"
             )
-        return dict(json.loads(self.store.get(self._key("status"))))
+        return dict(status)
 
     def cleanup(self) -> None:
         """Stop heartbeating; the last rank to read the outcome deletes the save's keys."""
@@ -186,14 +240,9 @@ class StoreChannel:
             pass  # stores without delete keep a few bytes; harmless
 
 
-def _is_timeout(e: Exception) -> bool:
-    text = f"{type(e).__name__} {e}".lower()
-    return "timeout" in text or "timed out" in text
-
-
 def _store_lost(rank: int, what: str, e: Exception) -> DistributedError:
     return DistributedError(
-        f"rank {rank}: lost the process group's store while waiting for ranks {what} "
+        f"rank {rank}: lost the process group's store while waiting for {what} "
         f"({type(e).__name__}: {e}); the process hosting it (rank 0 with a tcp:// or env:// "
         "rendezvous, or the launcher) probably died"
     )
