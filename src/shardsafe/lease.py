@@ -155,7 +155,8 @@ class Lease:
         held = current.describe() if isinstance(current, LeaseInfo) else "unreadable"
         raise CheckpointExistsError(
             f"another save holds the lease {storage.describe(rel)} ({held}); wait for it to "
-            "finish or to expire (a dead save's lease expires after its ttl), then retry"
+            "finish or to expire (a dead save's lease expires after its ttl) and retry; if you "
+            "are sure no save is running, delete that lock file"
         )
 
     def owned(self) -> bool:

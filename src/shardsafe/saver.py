@@ -325,7 +325,9 @@ class Saver:
         if not comm.distributed:
             return None
         try:
-            return StoreChannel(comm, planned.token, dead_after=self.dead_after)
+            return StoreChannel(
+                comm, planned.token, dead_after=self.dead_after, log_every=3 * self.dead_after
+            )
         except BaseException:
             if comm.is_coordinator:
                 abort(planned.loc, planned.token, planned.lease)
