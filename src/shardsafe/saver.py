@@ -42,7 +42,7 @@ from .saving import (
     write_share,
 )
 from .sharding import ShardedTensor
-from .signals import DEAD_AFTER, StoreChannel
+from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
 from .staging import StagingPool
 
 log = logging.getLogger("shardsafe")
@@ -123,6 +123,7 @@ class Saver:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-save")
         self._inflight: AsyncSaveHandle | None = None
         self._lock = threading.Lock()
+        self._clients: StoreClients | None = None  # connections of the commit protocol
 
     # -- blocking save -----------------------------------------------------------------------
     def save(
@@ -325,8 +326,14 @@ class Saver:
         if not comm.distributed:
             return None
         try:
+            if self._clients is None:
+                self._clients = connect()
             return StoreChannel(
-                comm, planned.token, dead_after=self.dead_after, log_every=3 * self.dead_after
+                comm,
+                planned.token,
+                self._clients,
+                dead_after=self.dead_after,
+                log_every=3 * self.dead_after,
             )
         except BaseException:
             if comm.is_coordinator:
@@ -371,6 +378,7 @@ class Saver:
         finally:
             self._writer.shutdown(wait=True)
             self.staging.release()
+            self._clients = None
 
 
 def _data(st: ShardedTensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -49,19 +50,30 @@ def default_store() -> Any:
         raise DistributedError(f"cannot reach the process group's store: {e}") from e
 
 
-def _clients(store: Any, n: int) -> list[Any] | None:
-    """``n`` fresh connections to the TCP store behind ``store``, or None for another kind.
+@dataclass
+class StoreClients:
+    """Two connections to the store: one for the blocking waits of the thread that commits,
+    one for the heartbeat thread. A store client serialises its requests, so a thread blocked
+    in ``wait`` would hold up a heartbeat on the same client. Made once per :class:`Saver`
+    and reused by its saves (connecting anew for every save costs seconds at scale)."""
 
-    A store client serialises its requests: a thread blocked in ``wait`` would hold up the
-    heartbeat of the same client, so the waiting thread and the heartbeat get their own.
-    """
-    tcp = store
+    wait: Any
+    beat: Any
+    blocking: bool
+
+
+def connect(store: Any | None = None) -> StoreClients:
+    """Fresh clients of the TCP store behind ``store`` (the default group's by default); for
+    another kind of store, the store itself, waited on by polling."""
+    shared = store if store is not None else default_store()
+    tcp = shared
     while not isinstance(tcp, tdist.TCPStore):
         tcp = getattr(tcp, "underlying_store", None)
         if tcp is None:
-            return None
-    return [
-        tdist.PrefixStore(
+            return StoreClients(shared, shared, False)
+
+    def client() -> Any:
+        return tdist.PrefixStore(
             "shardsafe",
             tdist.TCPStore(
                 tcp.host,
@@ -71,8 +83,8 @@ def _clients(store: Any, n: int) -> list[Any] | None:
                 wait_for_workers=False,
             ),
         )
-        for _ in range(n)
-    ]
+
+    return StoreClients(client(), client(), True)
 
 
 class StoreChannel:
@@ -82,7 +94,7 @@ class StoreChannel:
         self,
         comm: Comm,
         token: str,
-        store: Any | None = None,
+        clients: StoreClients | None = None,
         *,
         dead_after: float = DEAD_AFTER,
         interval: float = HEARTBEAT_INTERVAL,
@@ -90,11 +102,8 @@ class StoreChannel:
     ) -> None:
         self.comm = comm
         self.prefix = f"shardsafe/{token}"
-        shared = store if store is not None else default_store()
-        clients = _clients(shared, 2)
-        # the main thread's blocking waits, and the heartbeat/watch thread, on separate connections
-        self.store, self.beat_store = clients if clients is not None else (shared, shared)
-        self.blocking = clients is not None
+        clients = clients if clients is not None else connect()
+        self.store, self.beat_store, self.blocking = clients.wait, clients.beat, clients.blocking
         self.dead_after = dead_after
         self.interval = min(interval, dead_after / 4)
         self.log_every = log_every
