@@ -39,7 +39,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(rank: int, world: int, port: int, base: str, repeat: int, out: Any) -> None:
+def _rank(
+    rank: int, world: int, port: int, base: str, repeat: int, saves_only: bool, out: Any
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -51,12 +53,14 @@ def _rank(rank: int, world: int, port: int, base: str, repeat: int, out: Any) ->
     )
     from shardsafe import Saver, ShardedTensor
     from shardsafe.dist import get_comm
-    from shardsafe.signals import StoreChannel, connect
 
     comm = get_comm()
-    clients = connect()  # made once, as a Saver does
     timings: dict[str, list[float]] = {"barrier": [], "channel": [], "save": [], "async_save": []}
-    for _ in range(repeat + 1):
+    if not saves_only:
+        from shardsafe.signals import StoreChannel, connect
+
+        clients = connect()  # made once, as a Saver does
+    for _ in range(0 if saves_only else repeat + 1):
         dist.barrier()
         t0 = time.perf_counter()
         dist.barrier()
@@ -93,7 +97,7 @@ def _rank(rank: int, world: int, port: int, base: str, repeat: int, out: Any) ->
     saver.close()
     dist.barrier()
     if rank == 0:
-        out.put({k: statistics.median(v[1:]) for k, v in timings.items()})
+        out.put({k: statistics.median(v[1:]) for k, v in timings.items() if v})
     dist.destroy_process_group()
 
 
@@ -102,13 +106,18 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dir", default=None)
+    ap.add_argument(
+        "--saves-only", action="store_true", help="time whole saves only (any shardsafe version)"
+    )
     args = ap.parse_args()
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     port = _free_port()
     with tempfile.TemporaryDirectory(dir=args.dir) as base:
         procs = [
-            ctx.Process(target=_rank, args=(r, args.world, port, base, args.repeat, out))
+            ctx.Process(
+                target=_rank, args=(r, args.world, port, base, args.repeat, args.saves_only, out)
+            )
             for r in range(args.world)
         ]
         t0 = time.perf_counter()

@@ -30,9 +30,11 @@ from typing import Any
 from .directory import CheckpointDirectory, StepDirectory, parse_step, step_name
 from .dist import get_comm
 from .errors import CheckpointError, CheckpointNotFoundError
+from .lease import LEASE_SECONDS
 from .loading import StrictHandling, load
 from .saver import AsyncSaveHandle, Saver
 from .saving import SaveStats
+from .signals import DEAD_AFTER
 
 log = logging.getLogger("shardsafe")
 
@@ -59,6 +61,8 @@ class CheckpointManager:
         async_save: bool = True,
         process_group: Any = None,
         timeout: float = 1800.0,
+        dead_after: float = DEAD_AFTER,
+        lease_ttl: float = LEASE_SECONDS,
     ) -> None:
         for what, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (
@@ -72,7 +76,9 @@ class CheckpointManager:
         self._dir = self._make_directory(root)
         self.root = self._dir.url
         self.timeout = timeout  # how long a rank waits for the others before naming the absent ones
-        self._saver = Saver(process_group, timeout=timeout)
+        self._saver = Saver(
+            process_group, timeout=timeout, dead_after=dead_after, lease_ttl=lease_ttl
+        )
         self._lock = threading.Lock()  # guards _active and _pending
         self._maintenance = threading.Lock()  # one pointer update / deletion pass at a time
         self._active: set[str] = set()

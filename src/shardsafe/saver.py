@@ -28,6 +28,7 @@ from .codec import tensor_bytes
 from .commit import finalize
 from .dist import Comm, get_comm, outcome, raise_for
 from .errors import CheckpointError
+from .lease import LEASE_SECONDS
 from .location import locate
 from .saving import (
     PlanCache,
@@ -107,6 +108,7 @@ class Saver:
         cache_plan: bool = True,
         max_staging_bytes: int | None = None,
         dead_after: float = DEAD_AFTER,
+        lease_ttl: float = LEASE_SECONDS,
     ) -> None:
         self.process_group = process_group
         self.files_per_rank = files_per_rank
@@ -115,6 +117,8 @@ class Saver:
         # a rank silent this long while writing or committing is dead (named on every rank);
         # a slow rank that heartbeats is waited for
         self.dead_after = dead_after
+        # a save's lease on its name expires this long after its coordinator stopped renewing it
+        self.lease_ttl = lease_ttl
         # host memory an async save may stage at once; beyond it, waves are staged and written
         # before async_save returns (the last one is written in the background)
         self.max_staging_bytes = max_staging_bytes
@@ -288,6 +292,7 @@ class Saver:
             self.plan_cache,
             content_metadata,
             self.timeout,
+            self.lease_ttl,
         )
         return comm, planned, t0, time.perf_counter() - t0
 
@@ -334,6 +339,7 @@ class Saver:
                 self._clients,
                 dead_after=self.dead_after,
                 log_every=3 * self.dead_after,
+                start_within=min(self.timeout, max(60.0, 6 * self.dead_after)),
             )
         except BaseException:
             if comm.is_coordinator:

@@ -31,7 +31,7 @@ from .format import (
     Extent,
     data_file_name,
 )
-from .lease import Lease, LeaseInfo, read_lease
+from .lease import LEASE_SECONDS, Lease, LeaseInfo, read_lease
 from .location import Location
 from .planning import GlobalPlan, LocalPlan, ObjectDesc, PieceDesc, RankAssignment, make_global_plan
 from .sharding import (
@@ -144,6 +144,7 @@ def plan_save(
     cache: PlanCache | None,
     content_metadata: Mapping[str, Any] | None = None,
     timeout: float = 1800.0,
+    lease_ttl: float = LEASE_SECONDS,
 ) -> PlannedSave:
     """Collective: validate and plan (or reuse the cached plan); raise the same error everywhere."""
 
@@ -163,7 +164,7 @@ def plan_save(
     token = uuid.uuid4().hex[:16]
     lease: Lease | None = None
     if comm.is_coordinator and err is None:
-        lease, err = outcome(lambda: begin(loc, token, overwrite))
+        lease, err = outcome(lambda: begin(loc, token, overwrite, lease_ttl))
     try:
         comm.arrive("save planning", timeout)
     except BaseException:
@@ -231,11 +232,11 @@ def check_content_metadata(content_metadata: Mapping[str, Any] | None) -> None:
         ) from None
 
 
-def begin(loc: Location, token: str, overwrite: bool) -> Lease:
+def begin(loc: Location, token: str, overwrite: bool, lease_ttl: float = LEASE_SECONDS) -> Lease:
     """Coordinator: refuse an existing target (or anything but a checkpoint with ``overwrite``)
     or a concurrent save; take the lease and create the work directory."""
     check_target(loc, overwrite)
-    lease = Lease.acquire(loc.parent, loc.lock_name, token)
+    lease = Lease.acquire(loc.parent, loc.lock_name, token, lease_ttl)
     try:
         check_target(loc, overwrite)  # again, now that no other save of this name can run
         work = work_dir(loc, token)

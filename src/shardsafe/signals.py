@@ -11,7 +11,8 @@ waiting rank blocks in the store's ``wait`` for at most ``interval`` at a time, 
 the heartbeats of those it still waits for:
 
 * a rank whose counter has not moved for ``dead_after`` seconds (its process is gone, or
-  frozen) fails the save, named with its host, on every rank;
+  frozen) fails the save, named with its host, on every rank (one that never beat in this
+  save gets ``start_within`` seconds: it may still be on its way from planning);
 * a rank that is slow but heartbeating is waited for, and the wait is logged every
   ``log_every`` seconds.
 """
@@ -99,6 +100,7 @@ class StoreChannel:
         dead_after: float = DEAD_AFTER,
         interval: float = HEARTBEAT_INTERVAL,
         log_every: float = 30.0,
+        start_within: float | None = None,
     ) -> None:
         self.comm = comm
         self.prefix = f"shardsafe/{token}"
@@ -107,6 +109,8 @@ class StoreChannel:
         self.dead_after = dead_after
         self.interval = min(interval, dead_after / 4)
         self.log_every = log_every
+        # a rank that never heartbeated in this save is late rather than dead: more slack
+        self.start_within = start_within if start_within is not None else max(60.0, 6 * dead_after)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._watch: tuple[set[int], str, Any] | None = None
@@ -149,7 +153,7 @@ class StoreChannel:
             beats = int(self.beat_store.add(self._key(f"beat{r}"), 0))
             if r not in seen or seen[r][0] != beats:
                 seen[r] = (beats, now)
-            elif now - seen[r][1] > self.dead_after:
+            elif now - seen[r][1] > (self.dead_after if beats else self.start_within):
                 why = "never started heartbeating" if beats == 0 else "stopped heartbeating"
                 message = (
                     f"rank {r} on {self.host(r)} {why} {now - seen[r][1]:.1f} s ago while "
