@@ -27,7 +27,7 @@ from shardsafe import ShardedTensor
 from shardsafe.manager import CheckpointManager
 
 ROWS = 24  # divisible by every world size used
-LEASE_TTL = 4.0
+LEASE_TTL = 30.0  # long enough that the restart begins while it is valid
 
 
 def state(rank: int, world: int, step: int) -> dict[str, Any]:
@@ -63,6 +63,9 @@ def main() -> None:
 
         m.save(3, state(rank, world, 3), progress=stall)
     elif mode == "resume":
+        lock = Path(root, ".step_000000003.shardsafe-lock")
+        lease = json.loads(lock.read_text()) if rank == 0 else {}
+        report["lease_age_at_start"] = time.time() - lease.get("renewed", 0)
         m = CheckpointManager(root, async_save=False, dead_after=3.0, lease_ttl=LEASE_TTL)
         tpl, t = template(rank, world)
         out = m.restore(tpl)
@@ -71,7 +74,7 @@ def main() -> None:
         report["restored_ok"] = bool(torch.equal(t, expect))
         if rank == 0:
             report["left_at_start"] = sorted(n for n in os.listdir(root) if "000000003" in n)
-            time.sleep(LEASE_TTL + 1)
+            time.sleep(max(0.0, lease["renewed"] + lease["ttl"] + 0.5 - time.time()))
             report["cleaned"] = m.cleanup()
         dist.barrier()
         for step in (3, 4):
