@@ -149,7 +149,9 @@ def test_overwrite_refuses_what_is_not_a_checkpoint(tmp_path: Path) -> None:
     outdir = tmp_path / "outdir"
     outdir.mkdir()
     (outdir / "train.log").write_text("precious")
-    with pytest.raises(CheckpointExistsError, match=r"holding train\.log but not a shardsafe checkpoint"):
+    with pytest.raises(
+        CheckpointExistsError, match=r"holding train\.log but not a shardsafe checkpoint"
+    ):
         shardsafe.save(state(1), str(outdir), overwrite=True)
     assert (outdir / "train.log").read_text() == "precious"
     assert sorted(os.listdir(tmp_path)) == ["outdir"]  # no work directory, no lease left
