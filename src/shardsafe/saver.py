@@ -139,10 +139,22 @@ class Saver:
         content_metadata: Mapping[str, Any] | None = None,
         progress: ProgressFn | None = None,
     ) -> SaveStats:
-        """Save and return when committed; writes straight from the tensors (no staging copy)."""
+        """Save and return when committed. CPU tensors are written straight from their memory;
+        device tensors stream through the bounded staging pool (``max_staging_bytes``), in
+        waves, like an async save that is waited for."""
         comm, planned, t0, t_plan = self._plan(
             sharded_state_dict, path, overwrite, content_metadata
         )
+        if any(
+            _data(planned.split.tensors[i][1]).device.type != "cpu"
+            for i in planned.assignment.pieces
+        ):
+            handle = self._stage_and_submit(
+                comm, planned, t0, t_plan, overwrite, content_metadata, progress
+            )
+            stats = handle.result()
+            stats.seconds_blocked = stats.seconds
+            return stats
 
         def share() -> ShareItems:
             s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=False)
@@ -190,7 +202,22 @@ class Saver:
         comm, planned, t0, t_plan = self._plan(
             sharded_state_dict, path, overwrite, content_metadata
         )
+        return self._stage_and_submit(
+            comm, planned, t0, t_plan, overwrite, content_metadata, progress
+        )
 
+    def _stage_and_submit(
+        self,
+        comm: Comm,
+        planned: PlannedSave,
+        t0: float,
+        t_plan: float,
+        overwrite: bool,
+        content_metadata: Mapping[str, Any] | None,
+        progress: ProgressFn | None,
+    ) -> AsyncSaveHandle:
+        """Stage this rank's share (in waves under the byte budget), then write and commit in
+        the background."""
         sizes = [(i, planned.local_plan.pieces[i].nbytes) for i in planned.assignment.pieces]
         groups = waves(sizes, self.max_staging_bytes)
         early: list[dict[str, Any]] = []  # records of the waves written before returning
@@ -495,6 +522,22 @@ def async_save(
         content_metadata=content_metadata,
         progress=progress,
     )
+
+
+def release() -> None:
+    """Wait for the default Savers' saves in flight, then free their pinned staging memory,
+    writer threads and store connections (the next ``save`` makes fresh ones)."""
+    with _DEFAULT_LOCK:
+        savers = list(_DEFAULT.values())
+        _DEFAULT.clear()
+    errors = []
+    for s in savers:
+        try:
+            s.close()
+        except CheckpointError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def wait_for_saves() -> None:

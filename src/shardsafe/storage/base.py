@@ -39,7 +39,8 @@ class Storage(ABC):
 
     #: True when ``rename`` of a directory is atomic (POSIX); object stores commit by a marker.
     atomic_rename: bool = False
-    #: True when files can be opened with O_DIRECT through ``open_fd`` (local file systems).
+    #: True when data files may be written and read with ``O_DIRECT`` at ``self.path(rel)``
+    #: (local file systems); the direct-I/O code asks this instead of the backend's type.
     direct_io: bool = False
 
     def __init__(self, root: str) -> None:
