@@ -8,7 +8,7 @@ Layout::
       step_000000200/
       latest                                "step_000000200\\n", replaced atomically after a commit
       .step_000000300.shardsafe-tmp-<token>/  a save in flight, or the remains of a crashed one
-      .step_000000300.shardsafe-lock          who is saving step 300 (host, pid)
+      .step_000000300.shardsafe-lock          the lease of the save of step 300 (owner, host, expiry)
 
 Every rank calls :meth:`CheckpointManager.save` and :meth:`CheckpointManager.restore`. Only
 the coordinator (rank 0 of the process group) moves the pointer, deletes old checkpoints and
@@ -277,7 +277,8 @@ class CheckpointManager:
     # -- housekeeping -----------------------------------------------------------------------
     def cleanup(self) -> list[str]:
         """Coordinator: remove what crashed saves left behind (never this manager's saves in
-        flight, nor anything a live lock protects); returns the removed names. Other ranks: []."""
+        flight, nor anything a valid lease protects, nor a complete checkpoint: one found beside
+        its empty name is renamed back); returns the removed names. Other ranks: []."""
         if not get_comm(self.process_group).is_coordinator:
             return []
         with self._maintenance:

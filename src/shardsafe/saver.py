@@ -8,6 +8,11 @@ What ``async_save`` blocks on: planning (one tiny all-gather when the plan is ca
 the copy of this rank's share into host memory. Writing, checksums, fsync and the commit
 run in the background; the commit is signalled through the process group's store, so the
 training loop never has to call anything.
+
+Both kinds of save commit through the same protocol (:meth:`Saver._commit`, with the store
+channel of :mod:`shardsafe.signals`): every rank posts its write record and heartbeats until
+the coordinator posts the outcome; a dead rank is named on every rank within ``dead_after``
+seconds, a slow one is waited for.
 """
 
 from __future__ import annotations

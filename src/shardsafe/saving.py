@@ -6,8 +6,12 @@
    agreed with one tiny all-gather. Errors of any rank reach every rank.
 2. :func:`write_share`: a rank writes its assigned pieces (and the objects it owns; the
    coordinator also the common state) into a temporary directory beside the target.
-3. :func:`shardsafe.commit.finalize` (coordinator): assemble ``manifest.json``, write it last, fsync and
-   rename the directory into place. Until then nothing at ``path`` looks like a checkpoint.
+3. :func:`shardsafe.commit.finalize` (coordinator): check every reported file, assemble
+   ``manifest.json``, write it last, fsync and swap the directory into place. Until then
+   nothing at ``path`` looks like a new checkpoint, and an old one there stays complete.
+
+:func:`begin` takes the save's lease on the name (:mod:`shardsafe.lease`) and refuses to
+replace anything but a checkpoint.
 """
 
 from __future__ import annotations
