@@ -150,3 +150,20 @@ def test_staging_budget_stages_and_writes_in_waves(tmp_path):
         assert torch.equal(reader.read_tensor(key), value)
     assert reader.verify().ok
     saver.close()
+
+
+def test_release_frees_the_default_savers_and_saving_goes_on(tmp_path):
+    from shardsafe import saver as saver_module
+
+    t = torch.arange(4096, dtype=torch.float32)
+    h = shardsafe.async_save(
+        {"t": shardsafe.ShardedTensor.from_rank_offsets("t", t)}, tmp_path / "a"
+    )
+    before = saver_module.default_saver()
+    shardsafe.release()  # waits for the save in flight, then frees its arenas
+    assert h.done() and h.result().total_bytes > 0
+    assert before.staging.allocated_bytes == 0 and not before.staging._arenas
+    after = saver_module.default_saver()
+    assert after is not before
+    shardsafe.save({"t": shardsafe.ShardedTensor.from_rank_offsets("t", t)}, tmp_path / "b")
+    shardsafe.release()

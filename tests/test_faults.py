@@ -165,10 +165,7 @@ def test_sigkilled_rank_leaves_the_previous_checkpoint_latest(tmp_path: Path, mo
     assert f"rank {victim}" in err["message"], err["message"]
     assert err["seconds"] < TIMEOUT + SLACK, err
     if victim == 1:
-        assert (
-            "did not reach 'save commit'" in err["message"]
-            or "did not finish writing" in err["message"]
-        )
+        assert "rank 1 on " in err["message"] and "stopped heartbeating" in err["message"]
         # the coordinator removed the partial save and its lock at once; the path was free again
         assert report["after"] == [], report["after"]
         assert report["load_partial"]["type"] == "CheckpointNotFoundError", report["load_partial"]
@@ -197,12 +194,17 @@ def test_sigkilled_rank_leaves_the_previous_checkpoint_latest(tmp_path: Path, mo
     with pytest.raises(CheckpointNotFoundError):
         CheckpointReader(target)
 
-    # the previous checkpoint is intact and still the latest; the manager removes the rest
+    # the previous checkpoint is intact and still the latest; the manager removes the rest,
+    # except a complete checkpoint: killed between its manifest and its rename, step 2 is
+    # complete, and clean-up never deletes what holds a complete manifest (it renames it in)
     step1 = root / "step_000000001"
     assert CheckpointReader(step1).verify().ok
     manager = CheckpointManager(root, async_save=False)  # the coordinator cleans up on start
-    assert sorted(os.listdir(root)) == ["latest", "step_000000001"]
-    assert manager.steps() == [1] and manager.latest_step() == 1
+    restored = ["step_000000002"] if victim == 0 else []
+    assert sorted(os.listdir(root)) == ["latest", "step_000000001", *restored]
+    assert manager.steps() == [1, *([2] if restored else [])] and manager.latest_step() == 1
+    if restored:
+        assert CheckpointReader(target).verify().ok
     assert_holds_step(manager.restore(whole_template()), 1)
     # and the next save into the crashed step's name works
     manager.save(2, whole_state(2))

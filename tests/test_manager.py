@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from distributed import run_ranks
 import shardsafe
 from shardsafe import CheckpointError, CheckpointNotFoundError, ShardedTensor, neuron
 from shardsafe.directory import parse_step, step_name
+from shardsafe.lease import LEASE_SECONDS, LeaseInfo
 from shardsafe.manager import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,6 +188,12 @@ def _fake_save(root: Path, name: str, token: str) -> Path:
     return work
 
 
+def lease(host: str, pid: int, age: float = 0.0) -> bytes:
+    """A lease file as a save on ``host`` writes it, last renewed ``age`` seconds ago."""
+    ns = os.readlink("/proc/self/ns/pid") if host == socket.gethostname() else "other"
+    return LeaseInfo("t" * 16, host, pid, ns, time.time() - age, LEASE_SECONDS).to_bytes()
+
+
 @pytest.mark.timeout(60)
 def test_crash_leftovers_are_recognised_and_cleaned(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, async_save=False) as m:
@@ -194,15 +202,19 @@ def test_crash_leftovers_are_recognised_and_cleaned(tmp_path: Path) -> None:
     dead = dead_pid()
     # Remains of crashed saves:
     _fake_save(tmp_path, "step_000000005", "dead1")
-    (tmp_path / ".step_000000005.shardsafe-lock").write_text(f"{host} {dead} 0")
+    (tmp_path / ".step_000000005.shardsafe-lock").write_bytes(lease(host, dead))
+    _fake_save(tmp_path, "step_000000009", "expired")  # another host's, renewal long overdue
+    (tmp_path / ".step_000000009.shardsafe-lock").write_bytes(
+        lease("elsewhere.example", dead, age=600)
+    )
     (tmp_path / "step_000000006" / "data").mkdir(parents=True)  # no manifest
     (tmp_path / ".step_000000001.shardsafe-old-dead2").mkdir()  # interrupted overwrite/deletion
     (tmp_path / ".latest.shardsafe-tmp-dead3").write_text("step_000000005\n")
     # Saves that may still be running, and what is not ours:
     _fake_save(tmp_path, "step_000000007", "live1")
-    (tmp_path / ".step_000000007.shardsafe-lock").write_text(f"{host} {os.getpid()} 0")
+    (tmp_path / ".step_000000007.shardsafe-lock").write_bytes(lease(host, os.getpid()))
     _fake_save(tmp_path, "step_000000008", "other-host")
-    (tmp_path / ".step_000000008.shardsafe-lock").write_text(f"elsewhere.example {dead} 0")
+    (tmp_path / ".step_000000008.shardsafe-lock").write_bytes(lease("elsewhere.example", dead))
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "step_5_backup").mkdir()
 

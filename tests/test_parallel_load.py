@@ -74,3 +74,29 @@ def test_replicated_pieces_are_read_once(tmp_path):
     u_read = alone[0] - w_bytes
     assert alone == [w_bytes + u_read] * 2
     assert sorted(shared) == [u_read, w_bytes + u_read]  # w came from storage once, then was sent
+
+
+def _load_to_meta(rank, world, path):
+    import time
+
+    device = "meta" if rank == 1 else "cpu"
+    w = torch.zeros(256, 64, device=device)
+    template = {"w": shardsafe.ShardedTensor.from_rank_offsets("w", w, replica_id=rank)}
+    t0 = time.monotonic()
+    try:
+        shardsafe.load(template, path, fully_parallel=True)
+    except shardsafe.CheckpointError as e:
+        return str(e), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+@pytest.mark.timeout(180)
+def test_a_destination_the_backend_cannot_send_to_fails_every_rank(tmp_path):
+    path = tmp_path / "c"
+    w = torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64)
+    shardsafe.save({"w": shardsafe.ShardedTensor.from_rank_offsets("w", w)}, path)
+    results = run_ranks(_load_to_meta, 2, str(path), timeout=150)
+    for message, seconds in results:
+        assert message is not None and "rank 1" in message, message
+        assert "destination is on meta" in message, message
+        assert seconds < 30  # agreed on, not a peer left waiting for a send

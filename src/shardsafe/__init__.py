@@ -25,7 +25,7 @@ from .reader import (
     load_metadata,
     load_plain_tensors,
 )
-from .saver import AsyncSaveHandle, Saver, async_save, save, wait_for_saves
+from .saver import AsyncSaveHandle, Saver, async_save, release, save, wait_for_saves
 from .saving import SaveStats
 from .sharding import (
     CoordinatorObject,
@@ -69,5 +69,6 @@ __all__ = [
     "load",
     "load_content_metadata",
     "save",
+    "release",
     "wait_for_saves",
 ]

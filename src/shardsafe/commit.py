@@ -5,13 +5,14 @@ systems; on object stores the manifest itself is the commit). On any failure, cl
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
 from . import __version__
 from .dist import error_record
-from .errors import CheckpointExistsError
+from .errors import CheckpointError
 from .format import (
     MANIFEST_NAME,
     Extent,
@@ -22,7 +23,10 @@ from .format import (
     TensorEntry,
 )
 from .location import Location
-from .saving import CoordinatorPlan, PlannedSave, abort, work_dir
+from .saving import CoordinatorPlan, PlannedSave, abort, check_target, work_dir
+from .storage import Storage
+
+log = logging.getLogger("shardsafe")
 
 
 def finalize(
@@ -32,23 +36,55 @@ def finalize(
     content_metadata: Mapping[str, Any] | None,
     block_bytes: int,
 ) -> dict[str, Any]:
-    """Coordinator: assemble the manifest from every rank's record and commit, or clean up."""
-    loc, token = planned.loc, planned.token
+    """Coordinator: assemble the manifest from every rank's record and commit, or clean up.
+
+    Returns the status every rank raises from or reports; nothing raises out of here.
+    """
+    loc, token, lease = planned.loc, planned.token, planned.lease
     errors = [r.get("error") for r in records]
-    if any(errors):
-        abort(loc, token)
-        return {"errors": errors}
     try:
+        if any(errors):
+            abort(loc, token, lease)
+            return {"errors": errors}
         assert planned.coordinator_plan is not None
         manifest = assemble(
             planned.coordinator_plan, [r["result"] for r in records], content_metadata, block_bytes
         )
+        check_files(loc, token, manifest)
+        if lease is not None:
+            lease.check()
         commit(loc, token, manifest, overwrite)
     except Exception as e:
-        abort(loc, token)
+        try:
+            abort(loc, token, lease)
+        except Exception as cleanup:
+            log.warning("could not clean up after the failed save into %s: %s", loc.url, cleanup)
         return {"errors": [error_record(e)] * len(records)}
-    loc.parent.remove_tree(loc.lock_name)
+    try:
+        if lease is not None:
+            lease.release()
+    except Exception as e:  # committed: a leftover lease only expires
+        log.warning("could not release the lease of %s: %s", loc.url, e)
     return {"total_bytes": manifest.total_bytes}
+
+
+def check_files(loc: Location, token: str, manifest: Manifest) -> None:
+    """Every file the ranks reported must be where the commit will publish it, with its size:
+    a rank that wrote to a disk only it sees must fail the save, not leave a hole in it."""
+    work = work_dir(loc, token)
+    for name, entry in sorted(manifest.files.items()):
+        rel = f"{work}/{name}"
+        try:
+            size = loc.parent.size(rel)
+        except FileNotFoundError:
+            size = None
+        if size != entry.nbytes:
+            found = "is missing" if size is None else f"has {size} bytes"
+            raise CheckpointError(
+                f"{loc.parent.describe(rel)}, written by rank {entry.rank} ({entry.nbytes} bytes), "
+                f"{found} where the coordinator looks: every rank must write to the same shared "
+                "storage; nothing was committed"
+            )
 
 
 def assemble(
@@ -98,23 +134,45 @@ def _extent(obj: dict[str, Any]) -> Extent:
 
 
 def commit(loc: Location, token: str, manifest: Manifest, overwrite: bool) -> None:
-    """Write the manifest last; on file systems, fsync and rename the work directory into place."""
+    """Write the manifest last and publish; a checkpoint being replaced stays complete until then.
+
+    File systems: fsync, then swap the work directory with the old checkpoint in one atomic
+    ``exchange`` (or rename it into place when there is none) and remove the old one. Where
+    the file system cannot exchange, the old checkpoint is renamed aside first; a crash
+    between the two renames leaves both complete beside the name, and the next clean-up
+    renames the new one into place (:func:`shardsafe.directory.recover`).
+
+    Object stores: the new data files carry the save's token, so writing them never touched
+    the old checkpoint; the manifest PUT replaces the old one in one step and is the commit.
+    The old checkpoint's files are deleted after it.
+    """
     parent = loc.parent
     work = work_dir(loc, token)
-    parent.write_bytes(f"{work}/{MANIFEST_NAME}", manifest.dumps())
     if not parent.atomic_rename:
-        return  # on object stores the manifest, written last, is the commit
+        parent.write_bytes(f"{work}/{MANIFEST_NAME}", manifest.dumps())
+        remove_unlisted(parent, loc.name, manifest)
+        return
+    parent.write_bytes(f"{work}/{MANIFEST_NAME}", manifest.dumps())
     parent.sync_dir(f"{work}/data")
     parent.sync_dir(work)
-    old = None
     if parent.exists(loc.name):
-        if not overwrite:
-            raise CheckpointExistsError(
-                f"{loc.url} appeared while saving; pass overwrite=True to replace it"
-            )
+        check_target(loc, overwrite)
+        if parent.exchange(work, loc.name):
+            parent.sync_dir("")
+            parent.remove_tree(work)  # now the old checkpoint
+            return
         old = loc.old_name(token)
         parent.rename(loc.name, old)
+        parent.rename(work, loc.name)
+        parent.sync_dir("")
+        parent.remove_tree(old)
+        return
     parent.rename(work, loc.name)
     parent.sync_dir("")
-    if old is not None:
-        parent.remove_tree(old)
+
+
+def remove_unlisted(storage: Storage, name: str, manifest: Manifest) -> None:
+    """Delete the data files under ``name`` that ``manifest`` does not list (a replaced checkpoint's)."""
+    for entry in storage.list_dir(f"{name}/data"):
+        if f"data/{entry}" not in manifest.files:
+            storage.remove_tree(f"{name}/data/{entry}")

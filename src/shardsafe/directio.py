@@ -24,7 +24,6 @@ import numpy as np
 from .codec import array_view
 from .format import LARGE_ITEM
 from .storage.base import ByteWriter, Storage
-from .storage.local import LocalStorage
 
 _MODE = os.environ.get("SHARDSAFE_DIRECT_IO", "auto").strip().lower()
 DIRECT_IO: str = (
@@ -68,7 +67,7 @@ def _view_address(data: memoryview | bytes) -> int:
 
 def wants_direct(storage: Storage, items: Sequence[tuple[Any, memoryview | bytes]]) -> bool:
     """Whether to write these items with direct I/O (see :data:`DIRECT_IO`)."""
-    if DIRECT_IO == "never" or not isinstance(storage, LocalStorage):
+    if DIRECT_IO == "never" or not storage.direct_io:
         return False
     if DIRECT_IO == "always":
         return True
@@ -190,7 +189,7 @@ def open_data_file(storage: Storage, rel: str, direct: bool = False) -> Iterator
     Same contract as ``open_write``: created exclusively, durable when the block exits
     cleanly, removed when it raises.
     """
-    fd = _open_direct(storage, rel) if direct and isinstance(storage, LocalStorage) else None
+    fd = _open_direct(storage, rel) if direct and storage.direct_io else None
     if fd is None:
         with storage.open_write(rel) as f:
             yield f

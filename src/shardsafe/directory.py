@@ -9,16 +9,15 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from typing import Any
 
 from .errors import CheckpointError
-from .format import MANIFEST_NAME
+from .format import MANIFEST_NAME, Manifest
+from .lease import lease_state
 from .location import LOCK_SUFFIX, OLD_MARK, TMP_MARK
-from .saving import pid_alive
 from .storage import Storage, is_url, storage_for
 
 log = logging.getLogger("shardsafe")
@@ -135,81 +134,107 @@ class CheckpointDirectory(ABC):
         self.storage.sync_dir("")
 
     def remove(self, name: str) -> None:
-        """Delete a checkpoint, uncommitting it first so that an interrupted deletion never
-        leaves something that looks committed (only a recognisable leftover)."""
-        if self.storage.atomic_rename:
-            trash = f".{name}{OLD_MARK}{uuid.uuid4().hex[:16]}"
-            try:
-                self.storage.rename(name, trash)
-            except FileNotFoundError:
-                return
-            self.storage.sync_dir("")
-            self.storage.remove_tree(trash)
-        else:
-            self.storage.remove_tree(f"{name}/{MANIFEST_NAME}")
-            self.storage.remove_tree(name)
+        """Delete a checkpoint, uncommitting it first (its manifest goes before its data), so an
+        interrupted deletion leaves only a recognisable leftover, never a torn checkpoint."""
+        self.storage.remove_tree(f"{name}/{MANIFEST_NAME}")
+        self.storage.remove_tree(name)
 
     # -- leftovers --------------------------------------------------------------------------
-    def lock_state(self, name: str) -> str:
-        """``"absent"``, ``"stale"`` (its process on this host is dead) or ``"alive"``.
+    def lease_state(self, name: str) -> str:
+        """``"absent"``, ``"expired"`` or ``"held"``: the lease of a save into ``name``.
 
-        A lock from another host, or one that cannot be parsed, counts as alive: its owner
-        cannot be checked from here, and deleting a running save's files would be worse than
-        keeping a leftover.
+        A save in flight renews its lease; one whose owner died stops renewing, and its lease
+        expires after its ttl wherever it was written (at once on the owner's own host when the
+        process is gone). Only then are its remains touched.
         """
-        try:
-            raw = self.storage.read_bytes(f".{name}{LOCK_SUFFIX}")
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return "absent"
-        try:
-            host, pid, _ = raw.decode().split()
-            alive = host != socket.gethostname() or pid_alive(int(pid))
-        except ValueError:
-            return "alive"
-        return "alive" if alive else "stale"
+        return lease_state(self.storage, f".{name}{LOCK_SUFFIX}")
+
+    def _hidden(self, active: Collection[str]) -> list[tuple[str, str, str]]:
+        """(entry, base name, kind) of hidden entries of owned names not protected by a lease."""
+        out = []
+        for entry in self.storage.list_dir(""):
+            m = _HIDDEN_RE.fullmatch(entry)
+            if m is None:
+                continue
+            base = m.group("base")
+            kind = "tmp" if m.group("tmp") else "old" if m.group("old") else "lock"
+            if base == self.pointer and kind == "tmp":
+                out.append((entry, base, "pointer"))
+            elif self.owns(base) and base not in active and self.lease_state(base) != "held":
+                out.append((entry, base, kind))
+        return out
+
+    def recover(self, active: Collection[str] = ()) -> list[str]:
+        """Put back a checkpoint whose name is empty while a complete copy lies beside it.
+
+        That happens only when a save replacing a checkpoint died between moving the old one
+        aside and moving the new one in (on file systems that cannot swap two directories in
+        one step): both are complete, and the new one takes the name. Returns the names restored.
+        """
+        if not self.storage.atomic_rename:
+            return []
+        restored = []
+        candidates = sorted(
+            (kind != "tmp", entry, base)
+            for entry, base, kind in self._hidden(active)
+            if kind in ("tmp", "old") and self.is_committed(entry)
+        )
+        for _, entry, base in candidates:
+            if base in restored or self.storage.exists(base):
+                continue
+            self.storage.rename(entry, base)
+            self.storage.sync_dir("")
+            log.warning(
+                "restored %s from %s (a save replacing it was interrupted)",
+                self.storage.describe(base),
+                entry,
+            )
+            restored.append(base)
+        return restored
 
     def leftovers(self, active: Collection[str] = ()) -> list[str]:
         """Entries left by saves that never committed, skipping the names in ``active``
-        (saves in flight from this process) and anything a live lock protects:
+        (saves in flight from this process) and anything a live lease protects:
 
         * ``.<name>.shardsafe-tmp-*`` work directories and ``.<name>.shardsafe-old-*``
-          directories of an interrupted overwrite or deletion;
-        * ``.<name>.shardsafe-lock`` files of processes that died on this host;
+          directories of an interrupted overwrite, once ``<name>`` holds a complete checkpoint
+          (a complete one beside an empty name is restored by :meth:`recover` instead);
+        * expired ``.<name>.shardsafe-lock`` leases;
         * owned directories without a manifest (see :meth:`claims_uncommitted`);
         * temporary files of an interrupted pointer update.
+
+        Nothing that holds a complete manifest is listed unless the same name holds one too.
         """
         found: list[str] = []
         locks: list[str] = []
+        for entry, base, kind in self._hidden(active):
+            if kind == "lock":
+                locks.append(entry)
+            elif kind == "pointer" or not self.is_committed(entry) or self.is_committed(base):
+                found.append(entry)
         for entry in self.storage.list_dir(""):
-            m = _HIDDEN_RE.fullmatch(entry)
-            if m is not None:
-                base = m.group("base")
-                if base == self.pointer and m.group("tmp"):
-                    found.append(entry)
-                    continue
-                if not self.owns(base) or base in active:
-                    continue
-                state = self.lock_state(base)
-                if m.group("lock"):
-                    if state == "stale":
-                        locks.append(entry)
-                elif state != "alive":
-                    found.append(entry)
-            elif (
+            if (
                 self.owns(entry)
                 and entry not in active
                 and self.claims_uncommitted(entry)
                 and not self.is_committed(entry)
-                and self.lock_state(entry) != "alive"
+                and self.lease_state(entry) != "held"
             ):
                 found.append(entry)
-        return found + locks  # locks last: they guard the directories until those are gone
+        return found + locks  # leases last: they guard the directories until those are gone
 
     def clean(self, active: Collection[str] = ()) -> list[str]:
-        """Remove :meth:`leftovers`; returns what was removed."""
+        """Restore interrupted overwrites (:meth:`recover`), then remove :meth:`leftovers`;
+        returns what was removed."""
+        try:
+            self.recover(active)
+        except OSError as e:
+            log.warning("could not restore an interrupted overwrite in %s: %s", self.url, e)
         removed = []
         for entry in self.leftovers(active):
             try:
+                if entry.endswith(LOCK_SUFFIX) and not self.storage.atomic_rename:
+                    self._drop_replaced_files(entry[1 : -len(LOCK_SUFFIX)])
                 self.storage.remove_tree(entry)
             except Exception as e:
                 log.warning("could not remove %s: %s", self.storage.describe(entry), e)
@@ -219,6 +244,16 @@ class CheckpointDirectory(ABC):
             )
             removed.append(entry)
         return removed
+
+    def _drop_replaced_files(self, name: str) -> None:
+        """Object stores: a save that died after its manifest PUT may leave the files of the
+        checkpoint it replaced, or its own unpublished files, beside the committed ones."""
+        if not self.is_committed(name):
+            return
+        manifest = Manifest.loads(self.storage.read_bytes(f"{name}/{MANIFEST_NAME}"))
+        for entry in self.storage.list_dir(f"{name}/data"):
+            if f"data/{entry}" not in manifest.files:
+                self.storage.remove_tree(f"{name}/data/{entry}")
 
 
 class StepDirectory(CheckpointDirectory):

@@ -25,7 +25,6 @@ from .engine import DEFAULT_MAX_BUFFER, DataReader, ReadTask, default_threads, p
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    DistributedError,
     IncompatibleRequestError,
     IncompleteCheckpointError,
     MissingKeyError,
@@ -38,6 +37,7 @@ from .parallel_load import (
     Request,
     SharedPiece,
     assign_readers,
+    check_devices,
     exchange,
     should_share,
 )
@@ -256,18 +256,20 @@ def load(
         receive = {
             i for p in shared if p.reader != comm.rank for r, i in p.holders if r == comm.rank
         }
-        _, err = outcome(lambda: job.read(receive))
+
+        def read() -> None:
+            assert job is not None
+            job.read(receive)
+            check_devices(comm, shared, job.request_tensors)  # before any byte is sent
+
+        _, err = outcome(read)
     if shared:
         comm.arrive("load exchange", timeout)
         records = comm.all_gather({"error": err})
         raise_for([r["error"] for r in records], "load")
         assert job is not None
-        try:
-            exchange(comm, shared, job.request_tensors)
-        except Exception as e:
-            raise DistributedError(
-                f"rank {comm.rank}: sending replicated pieces failed: {e}"
-            ) from e
+        # a failure here is agreed on with the others below, not raised on this rank alone
+        _, err = outcome(lambda: exchange(comm, shared, job.request_tensors))
     result = None
     if job is not None and err is None:
         result, err = outcome(job.finish)

@@ -8,7 +8,7 @@ Layout::
       step_000000200/
       latest                                "step_000000200\\n", replaced atomically after a commit
       .step_000000300.shardsafe-tmp-<token>/  a save in flight, or the remains of a crashed one
-      .step_000000300.shardsafe-lock          who is saving step 300 (host, pid)
+      .step_000000300.shardsafe-lock          the lease of the save of step 300 (owner, host, expiry)
 
 Every rank calls :meth:`CheckpointManager.save` and :meth:`CheckpointManager.restore`. Only
 the coordinator (rank 0 of the process group) moves the pointer, deletes old checkpoints and
@@ -33,6 +33,7 @@ import torch
 from .directory import CheckpointDirectory, StepDirectory, parse_step, step_name
 from .dist import get_comm
 from .errors import CheckpointError, CheckpointNotFoundError
+from .lease import LEASE_SECONDS
 from .loading import StrictHandling, load
 from .saver import AsyncSaveHandle, Saver
 from .saving import SaveStats
@@ -43,6 +44,7 @@ from .sharding import (
     ShardedTensor,
     ShardedTensorFactory,
 )
+from .signals import DEAD_AFTER
 
 log = logging.getLogger("shardsafe")
 
@@ -69,6 +71,8 @@ class CheckpointManager:
         async_save: bool = True,
         process_group: Any = None,
         timeout: float = 1800.0,
+        dead_after: float = DEAD_AFTER,
+        lease_ttl: float = LEASE_SECONDS,
     ) -> None:
         for what, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (
@@ -82,7 +86,9 @@ class CheckpointManager:
         self._dir = self._make_directory(root)
         self.root = self._dir.url
         self.timeout = timeout  # how long a rank waits for the others before naming the absent ones
-        self._saver = Saver(process_group, timeout=timeout)
+        self._saver = Saver(
+            process_group, timeout=timeout, dead_after=dead_after, lease_ttl=lease_ttl
+        )
         self._lock = threading.Lock()  # guards _active and _pending
         self._maintenance = threading.Lock()  # one pointer update / deletion pass at a time
         self._active: set[str] = set()
@@ -291,7 +297,8 @@ class CheckpointManager:
     # -- housekeeping -----------------------------------------------------------------------
     def cleanup(self) -> list[str]:
         """Coordinator: remove what crashed saves left behind (never this manager's saves in
-        flight, nor anything a live lock protects); returns the removed names. Other ranks: []."""
+        flight, nor anything a valid lease protects, nor a complete checkpoint: one found beside
+        its empty name is renamed back); returns the removed names. Other ranks: []."""
         if not get_comm(self.process_group).is_coordinator:
             return []
         with self._maintenance:

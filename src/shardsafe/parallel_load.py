@@ -17,6 +17,7 @@ import torch
 import torch.distributed as tdist
 
 from .dist import Comm
+from .errors import CheckpointError
 
 #: below this many replicated bytes the extra collectives cost more than they save
 MIN_SHARED_BYTES = 64 << 20
@@ -69,6 +70,28 @@ def should_share(comm: Comm, shared_bytes: int, option: bool | str) -> bool:
     if not comm.distributed or shared_bytes < MIN_SHARED_BYTES:
         return False
     return tdist.get_backend(comm.group) == "nccl"
+
+
+def check_devices(
+    comm: Comm, shared: Sequence[SharedPiece], tensors: Sequence[torch.Tensor]
+) -> None:
+    """Every tensor this rank sends or receives must live where the backend moves data from
+    (CUDA for NCCL, CPU for gloo); checked before any transfer, so that all ranks can agree
+    to fail instead of one raising while its peers wait for its sends."""
+    if not comm.distributed:
+        return
+    backend = str(tdist.get_backend(comm.group))
+    wanted = "cuda" if backend == "nccl" else "cpu" if backend == "gloo" else None
+    if wanted is None:
+        return
+    for piece in shared:
+        for r, i in piece.holders:
+            if r == comm.rank and tensors[i].device.type != wanted:
+                raise CheckpointError(
+                    f"rank {comm.rank}: a replicated piece's destination is on "
+                    f"{tensors[i].device}, but the {backend} process group sends {wanted} "
+                    "tensors; load with fully_parallel=False or put the destination there"
+                )
 
 
 def exchange(comm: Comm, shared: Sequence[SharedPiece], tensors: Sequence[torch.Tensor]) -> None:

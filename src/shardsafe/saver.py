@@ -8,6 +8,11 @@ What ``async_save`` blocks on: planning (one tiny all-gather when the plan is ca
 the copy of this rank's share into host memory. Writing, checksums, fsync and the commit
 run in the background; the commit is signalled through the process group's store, so the
 training loop never has to call anything.
+
+Both kinds of save commit through the same protocol (:meth:`Saver._commit`, with the store
+channel of :mod:`shardsafe.signals`): every rank posts its write record and heartbeats until
+the coordinator posts the outcome; a dead rank is named on every rank within ``dead_after``
+seconds, a slow one is waited for.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .codec import tensor_bytes
 from .commit import finalize
 from .dist import Comm, get_comm, outcome, raise_for
 from .errors import CheckpointError
+from .lease import LEASE_SECONDS
 from .location import locate
 from .saving import (
     PlanCache,
@@ -42,7 +48,7 @@ from .saving import (
     write_share,
 )
 from .sharding import ShardedTensor
-from .signals import StoreChannel
+from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
 from .staging import StagingPool
 
 log = logging.getLogger("shardsafe")
@@ -83,7 +89,15 @@ class AsyncSaveHandle:
         return exc
 
     def add_done_callback(self, fn: Callable[[AsyncSaveHandle], Any]) -> None:
-        self._future.add_done_callback(lambda _: fn(self))
+        """Call ``fn(handle)`` when done; an exception it raises is logged, never lost."""
+
+        def call(_: Any) -> None:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("a done-callback of the async save into %s raised", self.path)
+
+        self._future.add_done_callback(call)
 
 
 class Saver:
@@ -98,11 +112,18 @@ class Saver:
         timeout: float = 1800.0,
         cache_plan: bool = True,
         max_staging_bytes: int | None = None,
+        dead_after: float = DEAD_AFTER,
+        lease_ttl: float = LEASE_SECONDS,
     ) -> None:
         self.process_group = process_group
         self.files_per_rank = files_per_rank
         self.block_bytes = block_bytes
-        self.timeout = timeout
+        self.timeout = timeout  # for every rank to reach planning
+        # a rank silent this long while writing or committing is dead (named on every rank);
+        # a slow rank that heartbeats is waited for
+        self.dead_after = dead_after
+        # a save's lease on its name expires this long after its coordinator stopped renewing it
+        self.lease_ttl = lease_ttl
         # host memory an async save may stage at once; beyond it, waves are staged and written
         # before async_save returns (the last one is written in the background)
         self.max_staging_bytes = max_staging_bytes
@@ -111,6 +132,7 @@ class Saver:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-save")
         self._inflight: AsyncSaveHandle | None = None
         self._lock = threading.Lock()
+        self._clients: StoreClients | None = None  # connections of the commit protocol
 
     # -- blocking save -----------------------------------------------------------------------
     def save(
@@ -122,10 +144,22 @@ class Saver:
         content_metadata: Mapping[str, Any] | None = None,
         progress: ProgressFn | None = None,
     ) -> SaveStats:
-        """Save and return when committed; writes straight from the tensors (no staging copy)."""
+        """Save and return when committed. CPU tensors are written straight from their memory;
+        device tensors stream through the bounded staging pool (``max_staging_bytes``), in
+        waves, like an async save that is waited for."""
         comm, planned, t0, t_plan = self._plan(
             sharded_state_dict, path, overwrite, content_metadata
         )
+        if any(
+            _data(planned.split.tensors[i][1]).device.type != "cpu"
+            for i in planned.assignment.pieces
+        ):
+            handle = self._stage_and_submit(
+                comm, planned, t0, t_plan, overwrite, content_metadata, progress
+            )
+            stats = handle.result()
+            stats.seconds_blocked = stats.seconds
+            return stats
 
         def share() -> ShareItems:
             s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=False)
@@ -135,6 +169,7 @@ class Saver:
             ]
             return s
 
+        channel = self._channel(comm, planned)
         t1 = time.perf_counter()
         result, err = outcome(
             lambda: write_share(
@@ -147,19 +182,8 @@ class Saver:
             )
         )
         t_write = time.perf_counter() - t1
-        try:
-            comm.arrive("save commit", self.timeout)
-            gathered = comm.gather({"result": result, "error": err})
-        except BaseException:
-            if comm.is_coordinator:  # a rank died or hangs: remove the work directory and the lock
-                abort(planned.loc, planned.token)
-            raise
-        status = (
-            finalize(planned, gathered, overwrite, content_metadata, self.block_bytes)
-            if gathered is not None
-            else {}
-        )
-        status = comm.broadcast(status)
+        record = {"result": result, "error": err}
+        status = self._commit(comm, channel, planned, record, overwrite, content_metadata)
         raise_for(status.get("errors") or [], "save")
         stats = _stats(planned, result, status, t0, t_plan, t_write)
         stats.seconds_blocked = stats.seconds
@@ -183,7 +207,22 @@ class Saver:
         comm, planned, t0, t_plan = self._plan(
             sharded_state_dict, path, overwrite, content_metadata
         )
+        return self._stage_and_submit(
+            comm, planned, t0, t_plan, overwrite, content_metadata, progress
+        )
 
+    def _stage_and_submit(
+        self,
+        comm: Comm,
+        planned: PlannedSave,
+        t0: float,
+        t_plan: float,
+        overwrite: bool,
+        content_metadata: Mapping[str, Any] | None,
+        progress: ProgressFn | None,
+    ) -> AsyncSaveHandle:
+        """Stage this rank's share (in waves under the byte budget), then write and commit in
+        the background."""
         sizes = [(i, planned.local_plan.pieces[i].nbytes) for i in planned.assignment.pieces]
         groups = waves(sizes, self.max_staging_bytes)
         early: list[dict[str, Any]] = []  # records of the waves written before returning
@@ -211,12 +250,17 @@ class Saver:
             s.items[:0] = stage(groups[-1])
             return s
 
-        share, err = outcome(stage_all)
-        channel = StoreChannel(comm, planned.token) if comm.distributed else None
-        blocked = time.perf_counter() - t0
         staged_bytes = sum(planned.local_plan.pieces[i].nbytes for i in planned.assignment.pieces)
-        if progress is not None:
-            progress("staged", staged_bytes, staged_bytes)
+
+        def stage_and_report() -> ShareItems:
+            staged = stage_all()
+            if progress is not None:  # inside the error gathering, like every user callback
+                progress("staged", staged_bytes, staged_bytes)
+            return staged
+
+        channel = self._channel(comm, planned)
+        share, err = outcome(stage_and_report)
+        blocked = time.perf_counter() - t0
         log.debug(
             "rank %d staged %d bytes for %s in %.3f s",
             comm.rank,
@@ -280,6 +324,7 @@ class Saver:
             self.plan_cache,
             content_metadata,
             self.timeout,
+            self.lease_ttl,
         )
         return comm, planned, t0, time.perf_counter() - t0
 
@@ -292,17 +337,46 @@ class Saver:
         overwrite: bool,
         content_metadata: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
+        """The one commit of blocking and async saves: post this rank's record; the coordinator
+        collects every record (naming ranks that stop heartbeating), commits or cleans up,
+        and publishes the outcome that every rank returns."""
         if channel is None:
             return finalize(planned, [record], overwrite, content_metadata, self.block_bytes)
-        channel.post(record)
-        if comm.is_coordinator:
-            records = channel.collect(self.timeout)
-            status = finalize(planned, records, overwrite, content_metadata, self.block_bytes)
-            channel.publish(status)
-        else:
-            status = channel.await_status(self.timeout + 60)
-        channel.cleanup()
+        try:
+            channel.post(record)
+            if comm.is_coordinator:
+                try:
+                    records = channel.collect()
+                except BaseException:
+                    abort(planned.loc, planned.token, planned.lease)
+                    raise
+                status = finalize(planned, records, overwrite, content_metadata, self.block_bytes)
+                channel.publish(status)
+            else:
+                status = channel.await_status()
+        finally:
+            channel.cleanup()
         return status
+
+    def _channel(self, comm: Comm, planned: PlannedSave) -> StoreChannel | None:
+        """Start heartbeating for this save (right after planning, before any slow step)."""
+        if not comm.distributed:
+            return None
+        try:
+            if self._clients is None:
+                self._clients = connect()
+            return StoreChannel(
+                comm,
+                planned.token,
+                self._clients,
+                dead_after=self.dead_after,
+                log_every=3 * self.dead_after,
+                start_within=min(self.timeout, max(60.0, 6 * self.dead_after)),
+            )
+        except BaseException:
+            if comm.is_coordinator:
+                abort(planned.loc, planned.token, planned.lease)
+            raise
 
     def _settle_previous(self) -> None:
         """Wait for the save in flight; its failure stays on its handle (and in the log)."""
@@ -342,6 +416,7 @@ class Saver:
         finally:
             self._writer.shutdown(wait=True)
             self.staging.release()
+            self._clients = None
 
 
 def _data(st: ShardedTensor) -> torch.Tensor:
@@ -452,6 +527,22 @@ def async_save(
         content_metadata=content_metadata,
         progress=progress,
     )
+
+
+def release() -> None:
+    """Wait for the default Savers' saves in flight, then free their pinned staging memory,
+    writer threads and store connections (the next ``save`` makes fresh ones)."""
+    with _DEFAULT_LOCK:
+        savers = list(_DEFAULT.values())
+        _DEFAULT.clear()
+    errors = []
+    for s in savers:
+        try:
+            s.close()
+        except CheckpointError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def wait_for_saves() -> None:

@@ -6,16 +6,19 @@
    agreed with one tiny all-gather. Errors of any rank reach every rank.
 2. :func:`write_share`: a rank writes its assigned pieces (and the objects it owns; the
    coordinator also the common state) into a temporary directory beside the target.
-3. :func:`shardsafe.commit.finalize` (coordinator): assemble ``manifest.json``, write it last, fsync and
-   rename the directory into place. Until then nothing at ``path`` looks like a checkpoint.
+3. :func:`shardsafe.commit.finalize` (coordinator): check every reported file, assemble
+   ``manifest.json``, write it last, fsync and swap the directory into place. Until then
+   nothing at ``path`` looks like a new checkpoint, and an old one there stays complete.
+
+:func:`begin` takes the save's lease on the name (:mod:`shardsafe.lease`) and refuses to
+replace anything but a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import re
 import socket
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,12 +30,13 @@ from .codec import encode, tensor_bytes
 from .dist import Comm, error_record, outcome, raise_for
 from .dtypes import dtype_name
 from .engine import split_balanced, write_data_file
-from .errors import CheckpointExistsError, UnsafeObjectError, ValidationError
+from .errors import CheckpointError, CheckpointExistsError, UnsafeObjectError, ValidationError
 from .format import (
     MANIFEST_NAME,
     Extent,
     data_file_name,
 )
+from .lease import LEASE_SECONDS, Lease, LeaseInfo, read_lease
 from .location import Location
 from .planning import GlobalPlan, LocalPlan, ObjectDesc, PieceDesc, RankAssignment, make_global_plan
 from .sharding import (
@@ -50,6 +54,9 @@ from .sharding import (
 )
 
 CoordinatorPlan = tuple[list[LocalPlan], GlobalPlan]
+
+_DATA_FILE = re.compile(r"rank-\d{5}-\d{2,}(-[0-9a-f]{16})?\.bin")
+"""Data files a shardsafe save writes (the remains of an interrupted one may be replaced)."""
 
 
 @dataclass
@@ -206,6 +213,7 @@ class PlannedSave:
     assignment: RankAssignment
     coordinator_plan: CoordinatorPlan | None
     cached: bool
+    lease: Lease | None = None  # the coordinator's, renewed until commit or abort
 
 
 def plan_save(
@@ -216,6 +224,7 @@ def plan_save(
     cache: PlanCache | None,
     content_metadata: Mapping[str, Any] | None = None,
     timeout: float = 1800.0,
+    lease_ttl: float = LEASE_SECONDS,
 ) -> PlannedSave:
     """Collective: validate and plan (or reuse the cached plan); raise the same error everywhere."""
 
@@ -236,15 +245,14 @@ def plan_save(
         else None
     )
     token = uuid.uuid4().hex[:16]
-    began = False
+    lease: Lease | None = None
     if comm.is_coordinator and err is None:
-        _, err = outcome(lambda: begin(loc, token, overwrite))
-        began = err is None
+        lease, err = outcome(lambda: begin(loc, token, overwrite, lease_ttl))
     try:
         comm.arrive("save planning", timeout)
     except BaseException:
-        if began:
-            abort(loc, token)
+        if lease is not None:
+            abort(loc, token, lease)
         raise
     votes = comm.all_gather(
         {
@@ -259,8 +267,8 @@ def plan_save(
         every = comm.all_gather(digests)
         errors = [error_record(ValidationError(divergence(every) or "state differs"))] * len(votes)
     if any(errors):
-        if began:
-            abort(loc, token)
+        if lease is not None:
+            abort(loc, token, lease)
         raise_for(errors, "save planning")
     token = votes[0]["token"]
     assert prepared is not None
@@ -276,6 +284,7 @@ def plan_save(
             cache.entry.assignment,
             cache.entry.coordinator_plan,
             True,
+            lease,
         )
 
     gathered = comm.gather(local_plan.to_json())
@@ -291,7 +300,7 @@ def plan_save(
                 for r in range(len(plans))
             ]
         except Exception as e:
-            abort(loc, token)
+            abort(loc, token, lease)
             replies = [{"errors": [error_record(e)] * len(gathered)}] * len(gathered)
     reply = comm.scatter(replies)
     raise_for(reply.get("errors") or [], "save planning")
@@ -299,7 +308,7 @@ def plan_save(
     if cache is not None and structure is not None:
         cache.misses += 1
         cache.entry = _CacheEntry(structure, reply["plan_id"], assignment, coordinator_plan)
-    return PlannedSave(loc, token, split, local_plan, assignment, coordinator_plan, False)
+    return PlannedSave(loc, token, split, local_plan, assignment, coordinator_plan, False, lease)
 
 
 def check_content_metadata(content_metadata: Mapping[str, Any] | None) -> None:
@@ -314,55 +323,72 @@ def check_content_metadata(content_metadata: Mapping[str, Any] | None) -> None:
         ) from None
 
 
-def begin(loc: Location, token: str, overwrite: bool) -> None:
-    """Coordinator: refuse an existing target or a concurrent save; create the work directory."""
+def begin(loc: Location, token: str, overwrite: bool, lease_ttl: float = LEASE_SECONDS) -> Lease:
+    """Coordinator: refuse an existing target (or anything but a checkpoint with ``overwrite``)
+    or a concurrent save; take the lease and create the work directory."""
+    check_target(loc, overwrite)
+    lease = Lease.acquire(loc.parent, loc.lock_name, token, lease_ttl)
+    try:
+        check_target(loc, overwrite)  # again, now that no other save of this name can run
+        work = work_dir(loc, token)
+        loc.parent.make_dir(work)
+        loc.parent.make_dir(f"{work}/data")
+    except BaseException:
+        lease.release()
+        raise
+    return lease.start()
+
+
+def check_target(loc: Location, overwrite: bool) -> None:
+    """Only a shardsafe checkpoint (or an empty directory) may be replaced, and only with ``overwrite``."""
     parent = loc.parent
-    if parent.exists(loc.name) and not overwrite:
+    if not parent.exists(loc.name):
+        return
+    if not overwrite:
         raise CheckpointExistsError(
             f"{loc.url} already exists; pass overwrite=True to replace it (the old checkpoint stays intact until the new one commits)"
         )
-    if not take_lock(loc):
-        raise CheckpointExistsError(
-            f"another save into {loc.url} is running (lock {parent.describe(loc.lock_name)}); "
-            "if no save is running, delete that lock file and retry"
+    if parent.exists(loc.join(MANIFEST_NAME)):
+        return
+    if parent.is_dir(loc.name):
+        stray = [n for n in parent.list_dir(loc.name) if n != "data"]
+        stray += [
+            f"data/{n}" for n in parent.list_dir(loc.join("data")) if not _DATA_FILE.fullmatch(n)
+        ]
+        if not stray:
+            return
+        what = (
+            f"a directory holding {', '.join(sorted(stray)[:5])}{' ...' if len(stray) > 5 else ''}"
         )
-    work = work_dir(loc, token)
-    if not parent.atomic_rename and parent.exists(loc.join(MANIFEST_NAME)):
-        parent.remove_tree(loc.join(MANIFEST_NAME))  # object-store overwrite: uncommit first
-    parent.make_dir(work)
-    parent.make_dir(f"{work}/data")
+    else:
+        what = "a file"
+    raise CheckpointExistsError(
+        f"{loc.url} is {what} but not a shardsafe checkpoint (it has no {MANIFEST_NAME}); "
+        "overwrite replaces checkpoints only: move or delete it yourself, or pick another path"
+    )
 
 
 def work_dir(loc: Location, token: str) -> str:
-    """Where the ranks write: a hidden sibling (renamed at commit), or the target on object stores."""
+    """Where the ranks write: a hidden sibling (swapped in at commit), or the target on object stores."""
     return loc.tmp_name(token) if loc.parent.atomic_rename else loc.name
 
 
-def take_lock(loc: Location) -> bool:
-    """Create the save lock; break it when it was left by a dead process on this host."""
-    body = f"{socket.gethostname()} {os.getpid()} {time.time():.0f}".encode()
-    if loc.parent.create_exclusive(loc.lock_name, body):
-        return True
-    try:
-        host, pid, _ = loc.parent.read_bytes(loc.lock_name).decode().split()
-        stale = host == socket.gethostname() and not pid_alive(int(pid))
-    except (OSError, ValueError):
-        stale = False
-    if stale:
-        loc.parent.remove_tree(loc.lock_name)
-        return loc.parent.create_exclusive(loc.lock_name, body)
-    return False
+def file_name(loc: Location, token: str, rank: int, index: int) -> str:
+    """A data file's name. On object stores the save's token is part of it, so that a new
+    checkpoint is written beside the old one it replaces, never over it."""
+    name = data_file_name(rank, index)
+    return name if loc.parent.atomic_rename else name.replace(".bin", f"-{token}.bin")
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this host still runs (a lock it holds is not stale)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def check_work_dir(loc: Location, token: str, rank: int) -> None:
+    """A rank must see the work directory the coordinator created: else it would write to a
+    disk nobody else sees and the checkpoint would miss its files."""
+    if loc.parent.atomic_rename and not loc.parent.is_dir(work_dir(loc, token)):
+        raise CheckpointError(
+            f"rank {rank} on host {socket.gethostname()} cannot see the work directory "
+            f"{loc.parent.describe(work_dir(loc, token))} that the coordinator created: "
+            "every rank must write to the same shared file system (is it mounted on that host?)"
+        )
 
 
 # --------------------------------------------------------------------------- writing
@@ -420,12 +446,13 @@ def write_share(
 
     Files are numbered from ``first_file``, so a save written in waves gets distinct files.
     """
+    check_work_dir(planned.loc, planned.token, rank)
     work = work_dir(planned.loc, planned.token)
     items = share.items
     groups = split_balanced([_nbytes(d) for _, d in items], files_per_rank) if items else []
 
     def one(index: int, group: Sequence[int]) -> tuple[str, dict[Any, Extent], int]:
-        name = data_file_name(rank, first_file + index)
+        name = file_name(planned.loc, planned.token, rank, first_file + index)
         resolved = [(items[i][0], _resolve(items[i][1])) for i in group]
         ext, size = write_data_file(
             planned.loc.parent, f"{work}/{name}", resolved, block_bytes, on_bytes
@@ -490,10 +517,18 @@ def _resolve(data: Any) -> Any:
 # --------------------------------------------------------------------------- commit
 
 
-def abort(loc: Location, token: str) -> None:
-    """Remove what an unsuccessful save wrote, and its lock."""
-    if loc.parent.atomic_rename:
-        loc.parent.remove_tree(loc.tmp_name(token))
+def abort(loc: Location, token: str, lease: Lease | None = None) -> None:
+    """Remove what an unsuccessful save wrote, and its lease; never a committed checkpoint's files."""
+    parent = loc.parent
+    if parent.atomic_rename:
+        parent.remove_tree(loc.tmp_name(token))
     else:
-        loc.parent.remove_tree(loc.name) if not loc.parent.exists(loc.join(MANIFEST_NAME)) else None
-    loc.parent.remove_tree(loc.lock_name)
+        for name in parent.list_dir(loc.join("data")):
+            if name.endswith(f"-{token}.bin"):
+                parent.remove_tree(loc.join("data", name))
+    if lease is not None:
+        lease.release()
+        return
+    info = read_lease(parent, loc.lock_name)
+    if isinstance(info, LeaseInfo) and info.owner == token:
+        parent.remove_tree(loc.lock_name)

@@ -20,10 +20,10 @@ from ..codec import encode, tensor_bytes
 from ..commit import commit
 from ..dtypes import dtype_name
 from ..engine import write_data_file
-from ..format import Extent, FileEntry, Manifest, StoredPiece, TensorEntry, data_file_name
+from ..format import Extent, FileEntry, Manifest, StoredPiece, TensorEntry
 from ..location import locate
 from ..reader import CheckpointReader
-from ..saving import abort, begin, work_dir
+from ..saving import abort, begin, file_name, work_dir
 from .source import Progress, TensorSource, read_checked, total_nbytes, warn_unexported
 
 
@@ -43,7 +43,7 @@ def export_shardsafe(
     """Write every tensor of ``source`` (whole, one piece each) and its common state to ``dst``."""
     loc = locate(dst)
     token = uuid.uuid4().hex[:16]
-    begin(loc, token, overwrite)
+    lease = begin(loc, token, overwrite)
     warn_unexported(source, "export_shardsafe")
     try:
         keys = source.tensor_keys()
@@ -62,7 +62,7 @@ def export_shardsafe(
             for blob_id, data in common.blobs.items():
                 yield ("b", blob_id), data
 
-        name = data_file_name(0, 0)
+        name = file_name(loc, token, 0, 0)
         extents, size = write_data_file(
             loc.parent, f"{work_dir(loc, token)}/{name}", items(), block_bytes
         )
@@ -85,9 +85,10 @@ def export_shardsafe(
             created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             library_version=__version__,
         )
+        lease.check()
         commit(loc, token, manifest, overwrite)
     except BaseException:
-        abort(loc, token)
+        abort(loc, token, lease)
         raise
-    loc.parent.remove_tree(loc.lock_name)
+    lease.release()
     return manifest

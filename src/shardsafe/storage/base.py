@@ -39,6 +39,9 @@ class Storage(ABC):
 
     #: True when ``rename`` of a directory is atomic (POSIX); object stores commit by a marker.
     atomic_rename: bool = False
+    #: True when data files may be written and read with ``O_DIRECT`` at ``self.path(rel)``
+    #: (local file systems); the direct-I/O code asks this instead of the backend's type.
+    direct_io: bool = False
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -90,6 +93,14 @@ class Storage(ABC):
 
     def rename(self, src: str, dst: str) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot rename")
+
+    def exchange(self, a: str, b: str) -> bool:
+        """Swap two directories in one atomic step; False where the backend cannot.
+
+        Overwriting a checkpoint uses it so that a reader finds the old or the new one at
+        every instant; without it the commit falls back to two renames.
+        """
+        return False
 
     def sync_dir(self, rel: str) -> None:  # noqa: B027 - a no-op is the right default
         """Make a directory's entries durable (no-op where meaningless)."""

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
+import functools
 import os
 import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from .base import Storage
 
 
 class LocalStorage(Storage):
     atomic_rename = True
+    direct_io = True
 
     def __init__(self, root: str) -> None:
         super().__init__(os.path.abspath(os.fspath(root)))
@@ -110,6 +114,20 @@ class LocalStorage(Storage):
     def rename(self, src: str, dst: str) -> None:
         os.rename(self.path(src), self.path(dst))
 
+    def exchange(self, a: str, b: str) -> bool:
+        """``renameat2(RENAME_EXCHANGE)``: both names stay valid throughout (Linux 3.15+, most
+        local file systems); False where the kernel or file system does not support it."""
+        fn = _renameat2()
+        if fn is None:
+            return False
+        rc = fn(_AT_FDCWD, os.fsencode(self.path(a)), _AT_FDCWD, os.fsencode(self.path(b)), 2)
+        if rc == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return False
+        raise OSError(err, os.strerror(err), self.path(b))
+
     def sync_dir(self, rel: str) -> None:
         try:
             fd = os.open(self.path(rel), os.O_RDONLY | os.O_DIRECTORY)
@@ -136,6 +154,22 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
         return True
+
+
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """libc's renameat2, or None (not Linux, or a libc without it)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 class _FdReader:

@@ -1,0 +1,218 @@
+"""Leases: who is saving a checkpoint name, valid across hosts and restarts.
+
+A lease is a small JSON file beside the checkpoint (``.<name>.shardsafe-lock``) holding an
+owner token (the save's token), the owner's host and process, the time it was last renewed
+and how long it stays valid. The coordinator renews it from a background thread while the
+save runs; a lease whose renewal is older than its ``ttl`` has expired, whoever wrote it and
+wherever. On the writer's own host a lease whose process is gone (same PID namespace) is
+expired at once. A save checks that it still owns its lease before it commits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from .errors import CheckpointExistsError
+from .location import LOCK_SUFFIX, TMP_MARK
+from .storage import Storage
+
+log = logging.getLogger("shardsafe")
+
+LEASE_SECONDS = 60.0
+"""How long a lease stays valid without renewal (renewed every quarter of it)."""
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host (and PID namespace) still runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """The content of a lease file."""
+
+    owner: str
+    host: str
+    pid: int
+    pid_ns: str
+    renewed: float
+    ttl: float
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.__dict__, sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> LeaseInfo | None:
+        """The lease in ``raw``, or None when it is not one (torn, foreign, or hand-edited)."""
+        try:
+            obj = json.loads(raw)
+            return cls(
+                str(obj["owner"]),
+                str(obj["host"]),
+                int(obj["pid"]),
+                str(obj["pid_ns"]),
+                float(obj["renewed"]),
+                float(obj["ttl"]),
+            )
+        except (ValueError, KeyError, TypeError):
+            pass
+        try:  # the lock of earlier versions: "host pid time"
+            host, pid, stamp = raw.decode().split()
+            return cls("", host, int(pid), "", float(stamp), LEASE_SECONDS)
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    def expired(self, now: float | None = None) -> bool:
+        """Past its ttl since the last renewal, or its process is gone on this very host."""
+        now = time.time() if now is None else now
+        if now - self.renewed > self.ttl:
+            return True
+        same_process_space = self.host == socket.gethostname() and (
+            not self.pid_ns or self.pid_ns == _pid_namespace()
+        )
+        return same_process_space and not pid_alive(self.pid)
+
+    def describe(self) -> str:
+        age = time.time() - self.renewed
+        return f"held by pid {self.pid} on {self.host}, renewed {age:.0f} s ago, valid {self.ttl:.0f} s"
+
+
+def read_lease(storage: Storage, rel: str) -> LeaseInfo | str | None:
+    """The lease at ``rel``; None when absent; ``"unreadable"`` when present but not a lease."""
+    try:
+        raw = storage.read_bytes(rel)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    info = LeaseInfo.parse(raw)
+    return info if info is not None else "unreadable"
+
+
+def lease_state(storage: Storage, rel: str) -> str:
+    """``"absent"``, ``"expired"`` or ``"held"``.
+
+    An unreadable lease counts as held until the file itself is older than the default ttl
+    (a lease is rewritten whole on every renewal, so a torn one is a moment's state).
+    """
+    info = read_lease(storage, rel)
+    if info is None:
+        return "absent"
+    if isinstance(info, str):
+        return "held"
+    return "expired" if info.expired() else "held"
+
+
+class Lease:
+    """A lease this process holds; :meth:`start` renews it in the background until :meth:`release`."""
+
+    def __init__(self, storage: Storage, rel: str, owner: str, ttl: float = LEASE_SECONDS) -> None:
+        self.storage, self.rel, self.owner, self.ttl = storage, rel, owner, ttl
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._guard = threading.Lock()  # one write of the lease at a time
+        self.lost: str | None = None  # why renewal failed, if it did
+
+    def _info(self) -> LeaseInfo:
+        return LeaseInfo(
+            self.owner, socket.gethostname(), os.getpid(), _pid_namespace(), time.time(), self.ttl
+        )
+
+    @classmethod
+    def acquire(cls, storage: Storage, rel: str, owner: str, ttl: float = LEASE_SECONDS) -> Lease:
+        """Take the lease, breaking an expired one; raise :class:`CheckpointExistsError` if held."""
+        lease = cls(storage, rel, owner, ttl)
+        if storage.create_exclusive(rel, lease._info().to_bytes()):
+            return lease
+        current = read_lease(storage, rel)
+        if isinstance(current, LeaseInfo) and current.expired():
+            log.warning(
+                "breaking the expired lease %s (%s)", storage.describe(rel), current.describe()
+            )
+            storage.remove_tree(rel)
+            if storage.create_exclusive(rel, lease._info().to_bytes()) and lease.owned():
+                return lease
+            current = read_lease(storage, rel)
+        held = current.describe() if isinstance(current, LeaseInfo) else "unreadable"
+        raise CheckpointExistsError(
+            f"another save holds the lease {storage.describe(rel)} ({held}); wait for it to "
+            "finish or to expire (a dead save's lease expires after its ttl) and retry; if you "
+            "are sure no save is running, delete that lock file"
+        )
+
+    def owned(self) -> bool:
+        info = read_lease(self.storage, self.rel)
+        return isinstance(info, LeaseInfo) and info.owner == self.owner
+
+    def renew(self) -> None:
+        """Rewrite the lease with a new renewal time; raise when another owner took it."""
+        with self._guard:
+            if self._stop.is_set():
+                return
+            if not self.owned():
+                raise CheckpointExistsError(
+                    f"lost the lease {self.storage.describe(self.rel)}: another save took it "
+                    "(this save was stalled for longer than the lease's ttl)"
+                )
+            data = self._info().to_bytes()
+            if not self.storage.atomic_rename:
+                self.storage.write_bytes(self.rel, data)  # a PUT replaces the object whole
+                return
+            tmp = self.rel.replace(LOCK_SUFFIX, f"{TMP_MARK}lease-{uuid.uuid4().hex[:12]}")
+            self.storage.write_bytes(tmp, data)
+            try:
+                self.storage.rename(tmp, self.rel)
+            except BaseException:
+                self.storage.remove_tree(tmp)
+                raise
+
+    def check(self) -> None:
+        """Before publishing: the lease must still be ours."""
+        if self.lost is not None:
+            raise CheckpointExistsError(self.lost)
+        self.renew()
+
+    def start(self) -> Lease:
+        """Renew every quarter ttl from a daemon thread."""
+
+        def loop() -> None:
+            while not self._stop.wait(self.ttl / 4):
+                try:
+                    self.renew()
+                except Exception as e:
+                    self.lost = f"{e}"
+                    log.error("could not renew %s: %s", self.storage.describe(self.rel), e)
+                    return
+
+        self._thread = threading.Thread(target=loop, name="shardsafe-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease if it is still ours."""
+        with self._guard:
+            self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with contextlib.suppress(OSError):
+            if self.owned():
+                self.storage.remove_tree(self.rel)

@@ -1,0 +1,214 @@
+"""Two hosts on one machine: network, UTS, PID and mount namespaces joined by a veth pair,
+``torchrun --nnodes 2`` with c10d rendezvous between them, a checkpoint root both see.
+
+* 2 x 2 ranks save; host A (the coordinator's) is SIGKILLed in the middle of a save; host B
+  restarts alone with another world size: it resumes from the last committed step, cleans
+  the dead host's leftovers once their lease expired, and saves again to the same names.
+* Host B has a private file system mounted over the root: the save fails on every rank,
+  naming the rank and its host, and nothing is committed.
+
+Skipped, with the reason, where namespaces cannot be made (not root, no ``ip``/``unshare``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from distributed import free_port
+
+HERE = Path(__file__).parent
+SRC = HERE.parent / "src"
+
+
+def _run(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+@dataclass
+class Hosts:
+    names: tuple[str, str]  # namespace names
+    ips: tuple[str, str]
+    hostnames: tuple[str, str]
+    hosts_file: Path
+
+    def start(
+        self,
+        i: int,
+        mode: str,
+        root: Path,
+        marker: Path,
+        nproc: int,
+        nnodes: int,
+        port: int,
+        private: Path | None = None,
+    ) -> subprocess.Popen[str]:
+        """torchrun on host ``i``: its own hostname, PIDs and mounts, in its network namespace."""
+        mounts = f"mount --make-rprivate / && mount --bind {self.hosts_file} /etc/hosts"
+        if private is not None:
+            mounts += f" && mount -t tmpfs tmpfs {private}"
+        run = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.ips[0] if nnodes > 1 else self.ips[i]}:{port}",
+            "--rdzv-id=twohosts", "--max-restarts=0", "--monitor-interval=0.5",
+            str(HERE / "twohosts_worker.py"), mode, str(root), str(marker),
+        ]  # fmt: skip
+        script = f"hostname {self.hostnames[i]} && {mounts} && exec {' '.join(run)}"
+        env = {
+            **os.environ,
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "PYTHONPATH": f"{SRC}:{HERE}",
+            "OMP_NUM_THREADS": "1",
+            "TORCH_CPP_LOG_LEVEL": "ERROR",
+        }
+        cmd = ["ip", "netns", "exec", self.names[i], "unshare", "--uts", "--pid", "--fork"]
+        cmd += ["--kill-child", "--mount", "--mount-proc", "bash", "-c", script]
+        return subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    if os.geteuid() != 0:
+        pytest.skip("two-host tests need root (network and mount namespaces)")
+    for tool in ("ip", "unshare", "mount"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"two-host tests need the {tool!r} command")
+    tag = uuid.uuid4().hex[:6]
+    names = (f"ssa{tag}", f"ssb{tag}")
+    veth = (f"va{tag}", f"vb{tag}")
+    octet = 16 + int(tag[:2], 16) % 200
+    ips = (f"10.213.{octet}.1", f"10.213.{octet}.2")
+    hostnames = ("hosta", "hostb")
+    hosts_file = tmp_path_factory.mktemp("etc") / "hosts"
+    hosts_file.write_text(
+        f"127.0.0.1 localhost\n{ips[0]} {hostnames[0]}\n{ips[1]} {hostnames[1]}\n"
+    )
+    made: list[str] = []
+    try:
+        for ns in names:
+            _run("ip", "netns", "add", ns)
+            made.append(ns)
+        _run("ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
+        for ns, dev, ip in zip(names, veth, ips, strict=True):
+            _run("ip", "link", "set", dev, "netns", ns)
+            _run("ip", "-n", ns, "link", "set", dev, "name", "eth0")
+            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as e:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot make network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}")
+    try:
+        yield Hosts(names, ips, hostnames, hosts_file)
+    finally:
+        for ns in made:  # deleting a namespace removes its end of the veth pair, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        out += "\n[killed after timeout]"
+    return out
+
+
+def _reports(marker: Path, ranks: int) -> list[dict[str, object]]:
+    return [json.loads(Path(f"{marker}.rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.timeout(400)
+def test_host_killed_mid_save_restart_elsewhere_resumes_and_saves(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    root, marker = tmp_path / "run", tmp_path / "killed"
+    root.mkdir()
+    port = free_port()
+    a = hosts.start(0, "save", root, marker, 2, 2, port)
+    b = hosts.start(1, "save", root, marker, 2, 2, port)
+    procs = [a, b]
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert a.poll() is None and b.poll() is None, _finish(a, 5) + _finish(b, 5)
+            assert time.monotonic() < deadline, "step 3 never reached the written stage"
+            time.sleep(0.2)
+        dead = hosts.hostnames.index(marker.read_text())  # the coordinator's host
+        other = 1 - dead
+        victim, survivor = procs[dead], procs[other]
+        victim.send_signal(signal.SIGKILL)  # --kill-child: the whole PID namespace goes with it
+        victim.wait(30)
+        out = _finish(survivor, 90)
+        assert survivor.returncode != 0, out
+        left = sorted(n for n in os.listdir(root) if "000000003" in n)
+        assert (
+            any(".shardsafe-tmp-" in n for n in left) and ".step_000000003.shardsafe-lock" in left
+        )
+        lease = json.loads((root / ".step_000000003.shardsafe-lock").read_text())
+        assert lease["host"] == hosts.hostnames[dead]
+
+        marker2 = tmp_path / "resumed"
+        port2 = free_port()
+        c = hosts.start(other, "resume", root, marker2, 3, 1, port2)
+        procs.append(c)
+        out_c = _finish(c, 200)
+        assert c.returncode == 0, out_c
+        reps = _reports(marker2, 3)
+        assert all(r["host"] == hosts.hostnames[other] and r["world"] == 3 for r in reps)
+        assert all(r["restored"] == 2 and r["restored_ok"] for r in reps), reps
+        # at the restart the dead host's lease was still valid: nothing of step 3 was touched
+        assert reps[0]["lease_age_at_start"] < 30, "the restart came too late to check this"
+        assert reps[0]["left_at_start"] == left
+        assert sorted(reps[0]["cleaned"]) == left  # removed once it expired
+        assert reps[0]["steps"] == [1, 2, 3, 4]
+        assert reps[0]["listing"] == [
+            "latest",
+            "step_000000001",
+            "step_000000002",
+            "step_000000003",
+            "step_000000004",
+        ]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+@pytest.mark.timeout(300)
+def test_a_host_without_the_shared_root_fails_the_save_everywhere(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    root, marker = tmp_path / "shared", tmp_path / "private"
+    root.mkdir()
+    port = free_port()
+    a = hosts.start(0, "private", root, marker, 2, 2, port)
+    b = hosts.start(1, "private", root, marker, 2, 2, port, private=root)
+    out_a, out_b = _finish(a, 200), _finish(b, 30)
+    assert a.returncode == 0 and b.returncode == 0, out_a + out_b
+    reps = _reports(marker, 4)
+    coordinator_host = reps[0]["host"]
+    blind = [r for r, rep in enumerate(reps) if rep["host"] != coordinator_host]
+    assert len(blind) == 2
+    for rep in reps:
+        err = str(rep["error"])
+        for r in blind:
+            host = reps[r]["host"]
+            assert f"rank {r} on host {host} cannot see the work directory" in err, err
+    assert os.listdir(root) == []  # nothing committed on the shared root, nothing left

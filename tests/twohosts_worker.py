@@ -1,0 +1,96 @@
+"""One rank of the two-host tests, started by torchrun inside a host's namespaces.
+
+    python -m torch.distributed.run ... twohosts_worker.py MODE ROOT MARKER
+
+``save``: save steps 1 and 2 on every rank, then step 3, in which rank 0 writes MARKER once
+its share is written and then waits to be killed with its host. ``resume``: restore the
+latest step, report what is left of step 3, wait for its lease to expire, clean up, save
+steps 3 and 4. ``private``: save into ROOT (over which one host has its own file system)
+and report the error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import shardsafe
+from shardsafe import ShardedTensor
+from shardsafe.manager import CheckpointManager
+
+ROWS = 24  # divisible by every world size used
+LEASE_TTL = 30.0  # long enough that the restart begins while it is valid
+
+
+def state(rank: int, world: int, step: int) -> dict[str, Any]:
+    rows = ROWS // world
+    data = torch.arange(rank * rows * 8, (rank + 1) * rows * 8, dtype=torch.float32)
+    return {
+        "w": ShardedTensor.from_rank_offsets(
+            "w", (data.view(rows, 8) + step * 1000), (0, rank, world)
+        ),
+        "step": step,
+    }
+
+
+def template(rank: int, world: int) -> tuple[dict[str, Any], torch.Tensor]:
+    t = torch.zeros(ROWS // world, 8)
+    return {"w": ShardedTensor.from_rank_offsets("w", t, (0, rank, world)), "step": None}, t
+
+
+def main() -> None:
+    mode, root, marker = sys.argv[1:4]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report: dict[str, Any] = {"host": socket.gethostname(), "world": world}
+    if mode == "save":
+        m = CheckpointManager(root, async_save=False, dead_after=3.0, lease_ttl=LEASE_TTL)
+        for step in (1, 2):
+            m.save(step, state(rank, world, step))
+
+        def stall(stage: str, done: int, total: int) -> None:
+            if rank == 0 and stage == "written":
+                Path(marker).write_text(socket.gethostname())
+                time.sleep(600)  # until the host is killed
+
+        m.save(3, state(rank, world, 3), progress=stall)
+    elif mode == "resume":
+        lock = Path(root, ".step_000000003.shardsafe-lock")
+        lease = json.loads(lock.read_text()) if rank == 0 else {}
+        report["lease_age_at_start"] = time.time() - lease.get("renewed", 0)
+        m = CheckpointManager(root, async_save=False, dead_after=3.0, lease_ttl=LEASE_TTL)
+        tpl, t = template(rank, world)
+        out = m.restore(tpl)
+        expect = state(rank, world, out["step"])["w"].data
+        report["restored"] = out["step"]
+        report["restored_ok"] = bool(torch.equal(t, expect))
+        if rank == 0:
+            report["left_at_start"] = sorted(n for n in os.listdir(root) if "000000003" in n)
+            time.sleep(max(0.0, lease["renewed"] + lease["ttl"] + 0.5 - time.time()))
+            report["cleaned"] = m.cleanup()
+        dist.barrier()
+        for step in (3, 4):
+            m.save(step, state(rank, world, step))
+        report["steps"] = m.steps()
+        report["listing"] = sorted(os.listdir(root))
+        m.close()
+    else:
+        try:
+            shardsafe.save(state(rank, world, 1), f"{root}/ck")
+            report["error"] = None
+        except shardsafe.CheckpointError as e:
+            report["error"] = str(e)
+    Path(f"{marker}.rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
