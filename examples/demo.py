@@ -47,7 +47,7 @@ from parallel_layers import Layout, ParallelState
 import shardsafe
 from shardsafe.directory import step_name
 from shardsafe.manager import CheckpointManager
-from shardsafe.saving import pid_alive
+from shardsafe.lease import LeaseInfo
 
 #: Relative tolerance on the loss where the layout changes the float reduction order (TP
 #: all-reduces, DP gradient sums, ZeRO ranges); measured differences are around 1e-7.
@@ -447,10 +447,11 @@ class Demo:
                     f"    {e + '/':50s} {len(files)} files, {_mb(size)}, {'committed' if manifest else 'NO manifest.json'}"
                 )
             else:
-                host, pid, _ = p.read_text().split()
-                print(
-                    f"    {e:50s} lock of pid {pid} on {host} ({'alive' if pid_alive(int(pid)) else 'dead'})"
-                )
+                lease = LeaseInfo.parse(p.read_bytes())
+                state = "unreadable" if lease is None else lease.describe()
+                if lease is not None:
+                    state += ", expired" if lease.expired() else ", live"
+                print(f"    {e:50s} lease {state}")
         tmp = [e for e in entries if e.startswith(f".{killed}.shardsafe-tmp-")]
         lock = f".{killed}.shardsafe-lock"
         self.check(
