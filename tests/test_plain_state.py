@@ -235,3 +235,12 @@ def test_tensors_kept_in_common_state_still_load_in_place(tmp_path):
     assert out["model"]["w"] is dest and torch.equal(dest.detach(), w) and dest.requires_grad
     with pytest.raises(shardsafe.MissingKeyError, match=r"model\.v"):
         shardsafe.load({"model": {"v": torch.zeros(2)}}, tmp_path / "c")
+
+
+def test_replica_digest_is_the_same_chunked_or_whole():
+    from shardsafe.saving import tensor_digest
+
+    t = torch.randn(37, 11).t()  # not contiguous either
+    whole = tensor_digest(t)
+    assert tensor_digest(t, chunk_bytes=100, chunked=True) == whole
+    assert tensor_digest(t.contiguous() + 1, chunk_bytes=100, chunked=True) != whole
