@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import preload_forkserver
+from distributed import run_ranks as spawn_ranks
 
 import shardsafe
 from shardsafe import (
@@ -14,6 +15,13 @@ from shardsafe import (
     ValidationError,
 )
 from shardsafe.errors import UnsafeObjectError
+
+preload_forkserver("numpy", "shardsafe", "test_plain_state")
+
+
+def run_ranks(fn, world, *args):
+    """New rank processes forked from a server that imported torch once (fast starts)."""
+    return spawn_ranks(fn, world, *args, start_method="forkserver")
 
 
 class _Custom:
@@ -225,5 +233,14 @@ def test_tensors_kept_in_common_state_still_load_in_place(tmp_path):
     dest = torch.nn.Parameter(torch.zeros(2, 3))
     out = shardsafe.load({"model": {"w": dest}}, tmp_path / "c")
     assert out["model"]["w"] is dest and torch.equal(dest.detach(), w) and dest.requires_grad
-    with pytest.raises(shardsafe.MissingKeyError, match="model.v"):
+    with pytest.raises(shardsafe.MissingKeyError, match=r"model\.v"):
         shardsafe.load({"model": {"v": torch.zeros(2)}}, tmp_path / "c")
+
+
+def test_replica_digest_is_the_same_chunked_or_whole():
+    from shardsafe.saving import tensor_digest
+
+    t = torch.randn(37, 11).t()  # not contiguous either
+    whole = tensor_digest(t)
+    assert tensor_digest(t, chunk_bytes=100, chunked=True) == whole
+    assert tensor_digest(t.contiguous() + 1, chunk_bytes=100, chunked=True) != whole

@@ -184,7 +184,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.dtype:
         dtype = getattr(torch, args.dtype, None)
         if not isinstance(dtype, torch.dtype):
-            print(f"error: unknown --dtype {args.dtype!r} (e.g. bfloat16, float16)", file=sys.stderr)
+            print(
+                f"error: unknown --dtype {args.dtype!r} (e.g. bfloat16, float16)", file=sys.stderr
+            )
             return 2
     if args.to == "hf":
         selected: Any = source

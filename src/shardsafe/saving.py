@@ -25,6 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+import xxhash
+
 from .checksum import digest
 from .codec import encode, tensor_bytes
 from .dist import Comm, error_record, outcome, raise_for
@@ -150,8 +153,21 @@ def replica_digests(split: SplitStateDict, tensors: bool = True) -> dict[str, st
     for i in split.replicated if tensors else ():
         st = split.tensors[i][1]
         assert st.data is not None
-        out[f"tensor {st.key!r}"] = digest(tensor_bytes(st.data))
+        out[f"tensor {st.key!r}"] = tensor_digest(st.data)
     return out
+
+
+def tensor_digest(t: Any, chunk_bytes: int = 64 << 20, chunked: bool | None = None) -> str:
+    """xxh3-64 of a tensor's bytes; a device tensor is copied to the host one chunk at a time
+    (``chunked``, the default off the CPU), so comparing replicas never holds more than
+    ``chunk_bytes`` of it in host memory. Both ways give the same digest."""
+    if not (t.device.type != "cpu" if chunked is None else chunked):
+        return digest(tensor_bytes(t))
+    h = xxhash.xxh3_64()
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), chunk_bytes):
+        h.update(tensor_bytes(flat[start : start + chunk_bytes]))
+    return h.hexdigest()
 
 
 def divergence(digests: Sequence[dict[str, str]]) -> str | None:
