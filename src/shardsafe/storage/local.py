@@ -110,6 +110,15 @@ class LocalStorage(Storage):
     def rename(self, src: str, dst: str) -> None:
         os.rename(self.path(src), self.path(dst))
 
+    def evict(self, rel: str) -> None:
+        if not hasattr(os, "posix_fadvise"):
+            return
+        fd = os.open(self.path(rel), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages only: fsync'd
+        finally:
+            os.close(fd)
+
     def sync_dir(self, rel: str) -> None:
         try:
             fd = os.open(self.path(rel), os.O_RDONLY | os.O_DIRECTORY)
