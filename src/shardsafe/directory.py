@@ -6,9 +6,11 @@ The manager (numbered steps) and the NeuronX-style API (tags) both build on this
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Collection
@@ -17,7 +19,7 @@ from typing import Any
 from .errors import CheckpointError
 from .format import MANIFEST_NAME, Manifest
 from .lease import lease_state
-from .location import LOCK_SUFFIX, OLD_MARK, TMP_MARK
+from .location import DAMAGED_SUFFIX, LOCK_SUFFIX, OLD_MARK, TMP_MARK
 from .storage import Storage, is_url, storage_for
 
 log = logging.getLogger("shardsafe")
@@ -133,9 +135,54 @@ class CheckpointDirectory(ABC):
             raise
         self.storage.sync_dir("")
 
+    # -- damage marks ---------------------------------------------------------------------
+    def damage_mark(self, name: str) -> str:
+        return f".{name}{DAMAGED_SUFFIX}"
+
+    def mark_damaged(self, name: str, reason: str) -> None:
+        """Record that committed checkpoint ``name`` failed to load (kept, not deleted, so it
+        can be inspected; restores try it only after every unmarked one)."""
+        record = {"checkpoint": name, "reason": reason[:4000], "time": time.time()}
+        self.storage.write_bytes(self.damage_mark(name), json.dumps(record).encode())
+
+    def damaged(self) -> dict[str, str]:
+        """Marked checkpoints and the reason recorded for each."""
+        out: dict[str, str] = {}
+        for entry in self.storage.list_dir(""):
+            if not (entry.startswith(".") and entry.endswith(DAMAGED_SUFFIX)):
+                continue
+            name = entry[1 : -len(DAMAGED_SUFFIX)]
+            try:
+                reason = str(json.loads(self.storage.read_bytes(entry))["reason"])
+            except Exception:
+                reason = "(unreadable mark)"
+            out[name] = reason
+        return out
+
+    def unmark(self, name: str) -> None:
+        """Forget a damage mark (a new save of ``name`` committed)."""
+        if self.storage.exists(self.damage_mark(name)):
+            self.storage.remove_tree(self.damage_mark(name))
+
+    def restore_order(self) -> list[str]:
+        """Committed checkpoints in the order a restore tries them: the pointer's (or the
+        newest), then older ones newest first; marked ones after every unmarked one."""
+        committed = self.committed()
+        first = self.latest()
+        if first is None:
+            return []
+        older = [
+            n for n in reversed(committed) if n != first and self.order(n) <= self.order(first)
+        ]
+        newer = [n for n in reversed(committed) if n != first and n not in older]
+        ordered = [first, *older, *newer]
+        marked = self.damaged()
+        return [n for n in ordered if n not in marked] + [n for n in ordered if n in marked]
+
     def remove(self, name: str) -> None:
         """Delete a checkpoint, uncommitting it first (its manifest goes before its data), so an
         interrupted deletion leaves only a recognisable leftover, never a torn checkpoint."""
+        self.unmark(name)
         self.storage.remove_tree(f"{name}/{MANIFEST_NAME}")
         self.storage.remove_tree(name)
 

@@ -247,6 +247,7 @@ def raise_for(records: list[dict[str, Any] | None], stage: str) -> None:
     raise DistributedError(
         f"{stage} failed on {describe_ranks(list(failed))}: {lines}",
         {r: rec["message"] for r, rec in failed.items()},
+        {r: rec["type"] for r, rec in failed.items()},
     ) from _local_cause()
 
 

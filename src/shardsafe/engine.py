@@ -87,6 +87,35 @@ def write_data_file(
     return extents, pos
 
 
+def verify_written(
+    storage: Storage, rel: str, extents: Sequence[Extent], block_bytes: int, max_buffer: int
+) -> list[str]:
+    """Read the durable file ``rel`` back from the device and compare every block of
+    ``extents`` with the checksums computed from the bytes handed to the write; return one
+    line per block that differs (empty when the file holds what was written)."""
+    storage.evict(rel)
+    step = max(1, max_buffer // block_bytes) * block_bytes
+    buffer = bytearray(min(step, max((e.nbytes for e in extents), default=0)))
+    bad: list[str] = []
+    reader = storage.open_read(rel)
+    try:
+        for extent in extents:
+            for start in range(0, extent.nbytes, step):
+                n = min(step, extent.nbytes - start)
+                view = memoryview(buffer)[:n]
+                reader.read_into(extent.byte_offset + start, view)
+                first = start // block_bytes
+                for k, got in enumerate(block_checksums(view, block_bytes)):
+                    if got != extent.checksums[first + k]:
+                        bad.append(
+                            f"bytes {extent.byte_offset + start + k * block_bytes} "
+                            f"(block {first + k} of an extent at {extent.byte_offset})"
+                        )
+    finally:
+        reader.close()
+    return bad
+
+
 def split_balanced(sizes: Sequence[int], bins: int) -> list[list[int]]:
     """Indices split into ``bins`` groups of similar total size (biggest first, into the lightest)."""
     bins = max(1, min(bins, len(sizes)))

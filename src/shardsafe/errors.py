@@ -59,9 +59,37 @@ class MissingKeyError(IncompatibleRequestError, KeyError):
 class DistributedError(CheckpointError, RuntimeError):
     """One or more ranks failed or did not answer in time; raised on every rank."""
 
-    def __init__(self, message: str, rank_errors: Mapping[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        rank_errors: Mapping[int, str] | None = None,
+        rank_error_types: Mapping[int, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.rank_errors: dict[int, str] = dict(rank_errors or {})
+        # the exception class name each failing rank raised, so callers can tell a damaged
+        # checkpoint from a dead rank without parsing messages
+        self.rank_error_types: dict[int, str] = dict(rank_error_types or {})
+
+
+_DAMAGE = (
+    "CorruptCheckpointError",
+    "UnsafeObjectError",
+    "IncompleteCheckpointError",
+    "CheckpointNotFoundError",
+)
+
+
+def is_damaged_checkpoint(e: BaseException) -> bool:
+    """True when ``e`` says the checkpoint's files are corrupt, incomplete or gone (on every
+    failing rank), as opposed to a request that does not fit or a rank that failed: the case
+    where an older checkpoint is worth trying."""
+    if isinstance(e, DistributedError):
+        types = set(e.rank_error_types.values())
+        return bool(types) and types <= set(_DAMAGE)
+    return isinstance(e, (CorruptCheckpointError, CheckpointNotFoundError)) and not isinstance(
+        e, CheckpointExistsError
+    )
 
 
 def describe_ranks(ranks: Sequence[int], limit: int = 8) -> str:

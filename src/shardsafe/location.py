@@ -11,6 +11,7 @@ from .storage import Storage, is_url, storage_for
 TMP_MARK = ".shardsafe-tmp-"
 OLD_MARK = ".shardsafe-old-"
 LOCK_SUFFIX = ".shardsafe-lock"
+DAMAGED_SUFFIX = ".shardsafe-damaged"  # beside a committed checkpoint that failed to load
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,13 @@ import torch
 
 from .directory import CheckpointDirectory, StepDirectory, parse_step, step_name
 from .dist import get_comm
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DistributedError,
+    is_damaged_checkpoint,
+)
 from .lease import LEASE_SECONDS
 from .loading import StrictHandling, load
 from .saver import AsyncSaveHandle, Saver
@@ -94,6 +100,7 @@ class CheckpointManager:
         self._active: set[str] = set()
         self._pending: tuple[AsyncSaveHandle, Future[SaveStats]] | None = None
         self._closed = False
+        self._restored: str | None = None
         if get_comm(process_group).is_coordinator:
             self._dir.storage.make_dir("")
             self.cleanup()
@@ -229,6 +236,7 @@ class CheckpointManager:
             return
         with self._maintenance:
             self._dir.write_pointer(name)
+            self._dir.unmark(name)
             committed = self._dir.committed()
             for doomed in self._doomed(committed, name):
                 try:
@@ -244,7 +252,13 @@ class CheckpointManager:
         """The committed names retention deletes now that ``latest`` has committed."""
         if self.keep_last is None:
             return []
-        keep = {latest, *committed[-self.keep_last :]}
+        # keep_last counts intact checkpoints: a damaged one never pushes out a good one, and
+        # stays (for inspection) only while it is newer than the oldest one kept
+        damaged = self._dir.damaged()
+        intact = [n for n in committed if n not in damaged]
+        keep = {latest, *intact[-self.keep_last :]}
+        oldest = min(self._dir.order(n) for n in keep)
+        keep |= {n for n in committed if n in damaged and self._dir.order(n) > oldest}
         if self.keep_every is not None:
             every = self.keep_every
             keep |= {n for n in committed if (parse_step(n) or 0) % every == 0}
@@ -257,6 +271,7 @@ class CheckpointManager:
         step: int | None = None,
         *,
         strict: StrictHandling | str = StrictHandling.ASSUME_OK_UNEXPECTED,
+        fallback: bool = True,
     ) -> Any:
         """Collective: load step ``step`` (default: the latest committed) into the template
         ``state``; returns the state to train with and save again.
@@ -265,34 +280,119 @@ class CheckpointManager:
         place, ShardedObjects and factories holding what was loaded) with the checkpoint's
         common state merged in, so ``state = manager.restore(state)`` followed by
         ``manager.save(step, state)`` stores the same layout generation after generation.
-        (:func:`shardsafe.load` returns the plain loaded values instead.)
+        (:func:`shardsafe.load` returns the plain loaded values instead.) :attr:`restored_step`
+        then names the step that was loaded.
 
         Without ``step`` the coordinator picks the step and tells the others, so every rank
-        loads the same checkpoint. Raises :class:`CheckpointNotFoundError` when there is none.
+        loads the same checkpoint. Everything read is verified against its checksums. When the
+        chosen step turns out corrupt or incomplete on any rank and ``fallback`` is true, every
+        rank moves on together to the newest older intact step, the failed step is marked
+        (``.<name>.shardsafe-damaged`` beside it, kept for inspection) so that later restores
+        try it last, and a warning names the step, the reason and the step used instead.
+        An explicit ``step`` is never replaced by another. Raises
+        :class:`CheckpointNotFoundError` when there is no committed step, and
+        :class:`CorruptCheckpointError` when every step failed (naming each and why).
         """
-        name = self._resolve(None if step is None else step_name(step))
-        loaded = load(
-            state,
-            self._dir.path(name),
-            process_group=self.process_group,
-            strict=strict,
-            timeout=self.timeout,
+
+        def load_into(path: str) -> Any:
+            loaded = load(
+                state,
+                path,
+                process_group=self.process_group,
+                strict=strict,
+                timeout=self.timeout,
+            )
+            if StrictHandling(strict).returns:
+                result, missing, unexpected = loaded
+                return resavable(state, result), missing, unexpected
+            return resavable(state, loaded)
+
+        return self.restore_with(
+            load_into, None if step is None else step_name(step), fallback=fallback
         )
-        if StrictHandling(strict).returns:
-            result, missing, unexpected = loaded
-            return resavable(state, result), missing, unexpected
-        return resavable(state, loaded)
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last :meth:`restore` loaded (None before one succeeded)."""
+        return None if self._restored is None else parse_step(self._restored)
+
+    def restore_with(
+        self, load_fn: Callable[[str], Any], name: str | None = None, *, fallback: bool = True
+    ) -> Any:
+        """Collective: run ``load_fn(path)`` (itself collective, raising the same error on every
+        rank) on checkpoint ``name``, or on the newest committed one with fallback to older
+        intact ones as :meth:`restore` describes."""
+        if name is not None:
+            self._settle()
+            result = load_fn(self._dir.path(name))
+            self._restored = name
+            return result
+        candidates = self._candidates()
+        failures: list[str] = []
+        for index, candidate in enumerate(candidates):
+            try:
+                result = load_fn(self._dir.path(candidate))
+            except CheckpointError as e:
+                if not fallback or not is_damaged_checkpoint(e):
+                    raise
+                self._agree_damaged(candidate)
+                reason = str(e)
+                failures.append(f"{candidate}: {reason}")
+                nxt = candidates[index + 1] if index + 1 < len(candidates) else None
+                log.warning(
+                    "restore: %s is damaged (%s); %s",
+                    self._dir.path(candidate),
+                    reason,
+                    f"trying {nxt}" if nxt else "no other committed checkpoint is left",
+                )
+                if get_comm(self.process_group).is_coordinator:
+                    try:
+                        self._dir.mark_damaged(candidate, reason)
+                    except Exception as mark_error:
+                        log.warning("could not mark %s damaged: %s", candidate, mark_error)
+                continue
+            self._restored = candidate
+            if failures:
+                log.warning(
+                    "restore: used %s after %d damaged checkpoint(s): %s",
+                    candidate,
+                    len(failures),
+                    ", ".join(f.split(":", 1)[0] for f in failures),
+                )
+            return result
+        raise CorruptCheckpointError(
+            f"no committed checkpoint under {self.root} could be restored: "
+            + "; ".join(failures)
+            + " (the files are kept; `shardsafe verify` shows what is wrong)"
+        )
+
+    def _candidates(self) -> list[str]:
+        """The coordinator's restore order, the same on every rank."""
+        self._settle()
+        comm = get_comm(self.process_group)
+        order = self._dir.restore_order() if comm.is_coordinator else None
+        order = comm.broadcast(order)
+        if not order:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+        return [str(n) for n in order]
+
+    def _agree_damaged(self, name: str) -> None:
+        """Every rank raised the same error (loads gather them), so every rank falls back;
+        check it anyway, so that a disagreement is an error rather than a hang."""
+        comm = get_comm(self.process_group)
+        if not comm.distributed:
+            return
+        verdicts = comm.all_gather(name)
+        if len(set(verdicts)) != 1:
+            raise DistributedError(
+                f"ranks disagree on which checkpoint failed to restore: {verdicts}"
+            )
 
     def _resolve(self, name: str | None) -> str:
         self._settle()
         if name is not None:
             return name
-        comm = get_comm(self.process_group)
-        found = self._dir.latest() if comm.is_coordinator else None
-        found = comm.broadcast(found)
-        if found is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
-        return str(found)
+        return self._candidates()[0]
 
     # -- housekeeping -----------------------------------------------------------------------
     def cleanup(self) -> list[str]:

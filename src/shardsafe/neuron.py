@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .directory import CheckpointDirectory
-from .dist import get_comm
+from .dist import get_comm, outcome, raise_for
 from .errors import CheckpointError
 from .loading import StrictHandling, load
 from .manager import CheckpointManager
@@ -397,17 +397,59 @@ def load_checkpoint(
     process_group: Any = None,
     *,
     strict: bool = True,
+    fallback: bool = True,
 ) -> Any:
     """Load ``checkpoint_dir/tag`` (default: the newest committed) into the given objects,
     in place; returns the saved ``user_content`` (None if there was none).
 
     Every rank of ``process_group`` calls it; any number of ranks can load what any number
-    saved. ``strict`` applies to the model's keys, as in ``Module.load_state_dict``.
+    saved. ``strict`` applies to the model's keys, as in ``Module.load_state_dict``. Without a
+    ``tag``, a newest checkpoint that turns out corrupt or incomplete is marked and the newest
+    older intact one is loaded instead on every rank (``fallback=False`` raises instead), as
+    :meth:`CheckpointManager.restore` does.
     """
     manager = _manager(checkpoint_dir, process_group)
-    name = manager.resolve_tag(tag)
-    path = manager.tag_path(name)
-    rank = get_comm(process_group).rank
+    comm = get_comm(process_group)
+
+    def load_into(path: str) -> Any:
+        # Reading the common state is local: gather its outcome so that a damaged file on one
+        # rank fails (and falls back) on every rank instead of leaving the others in `load`.
+        prepared, err = outcome(lambda: _template(path, model, optimizer, scheduler, comm.rank))
+        raise_for(comm.all_gather(err), "load_checkpoint")
+        assert prepared is not None
+        template, in_place, sharded_optimizer = prepared
+        loaded = load(
+            template,
+            path,
+            process_group=process_group,
+            strict=StrictHandling.RAISE_UNEXPECTED if strict else StrictHandling.LOG_UNEXPECTED,
+        )
+        if model is not None:
+            values = {k: v for k, v in loaded["model"].items() if k not in in_place}
+            _unwrap(model).load_state_dict(values, strict=strict and not in_place)
+        if optimizer is not None:
+            osd = _optimizer_state_dict(loaded["optimizer"], optimizer, model)
+            if sharded_optimizer:
+                _keep_live_dtensors(osd, optimizer)
+            optimizer.load_state_dict(osd)
+        if scheduler is not None:
+            scheduler.load_state_dict(loaded["scheduler"])
+        return loaded.get("user_content")
+
+    return manager.restore_with(
+        load_into, None if tag is None else _check_tag(tag), fallback=fallback
+    )
+
+
+def _template(
+    path: str,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    rank: int,
+) -> tuple[dict[str, Any], set[str], bool]:
+    """What this rank asks ``load`` for: (template, DTensor keys filled in place, whether the
+    optimizer is over DTensors)."""
     reader = CheckpointReader(path)
     common = reader.common()
     common = common if isinstance(common, dict) else {}
@@ -427,23 +469,7 @@ def load_checkpoint(
             template["optimizer"] = {"state": _optimizer_state(optimizer, model, rank)["state"]}
         else:
             template["optimizer"] = _optimizer_template(common["optimizer"], reader, rank)
-    loaded = load(
-        template,
-        path,
-        process_group=process_group,
-        strict=StrictHandling.RAISE_UNEXPECTED if strict else StrictHandling.LOG_UNEXPECTED,
-    )
-    if model is not None:
-        values = {k: v for k, v in loaded["model"].items() if k not in in_place}
-        _unwrap(model).load_state_dict(values, strict=strict and not in_place)
-    if optimizer is not None:
-        osd = _optimizer_state_dict(loaded["optimizer"], optimizer, model)
-        if sharded_optimizer:
-            _keep_live_dtensors(osd, optimizer)
-        optimizer.load_state_dict(osd)
-    if scheduler is not None:
-        scheduler.load_state_dict(loaded["scheduler"])
-    return loaded.get("user_content")
+    return template, in_place, sharded_optimizer
 
 
 __all__ = [

@@ -102,6 +102,10 @@ class Storage(ABC):
         """
         return False
 
+    def evict(self, rel: str) -> None:  # noqa: B027 - a no-op is the right default
+        """Drop cached copies of the durable file ``rel``, so that the next read comes from the
+        device and not from memory (no-op where the backend keeps no cache)."""
+
     def sync_dir(self, rel: str) -> None:  # noqa: B027 - a no-op is the right default
         """Make a directory's entries durable (no-op where meaningless)."""
 

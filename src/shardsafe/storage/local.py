@@ -128,6 +128,15 @@ class LocalStorage(Storage):
             return False
         raise OSError(err, os.strerror(err), self.path(b))
 
+    def evict(self, rel: str) -> None:
+        if not hasattr(os, "posix_fadvise"):
+            return
+        fd = os.open(self.path(rel), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages only: fsync'd
+        finally:
+            os.close(fd)
+
     def sync_dir(self, rel: str) -> None:
         try:
             fd = os.open(self.path(rel), os.O_RDONLY | os.O_DIRECTORY)
