@@ -16,6 +16,7 @@ from .errors import (
     ValidationError,
 )
 from .integrations.dtensor import dtensor_aware as _dtensor_aware
+from .integrations.megatron import megatron_aware as _megatron_aware
 from .loading import StrictHandling, load, load_content_metadata
 from .manager import CheckpointManager
 from .reader import (
@@ -36,6 +37,7 @@ from .sharding import (
 )
 
 register_state_dict_adapter(_dtensor_aware)  # a model.state_dict() holding DTensors just works
+register_state_dict_adapter(_megatron_aware)  # Megatron-Core's own sharded state dicts too
 
 __all__ = [
     "CheckpointError",

@@ -21,6 +21,7 @@ import torch
 
 from .errors import ValidationError
 from .geometry import Box, flat_range_to_boxes
+from .looks_sharded import refuse_sharded_leaf
 
 ReplicaId = int | tuple[int, ...]
 Path = tuple[str | int, ...]
@@ -421,6 +422,7 @@ def split_state_dict(tree: Any) -> SplitStateDict:
             return kept
         if isinstance(node, list):
             return [walk(v, (*path, i)) for i, v in enumerate(node)]
+        refuse_sharded_leaf(node, _fmt(path))
         return node
 
     out.common = walk(tree, ())
