@@ -17,8 +17,15 @@ from .errors import (
 )
 from .integrations.dtensor import dtensor_aware as _dtensor_aware
 from .integrations.megatron import megatron_aware as _megatron_aware
-from .loading import StrictHandling, load, load_content_metadata
+from .loading import StrictHandling, load
 from .manager import CheckpointManager
+from .megatron_api import (
+    apply_factories,
+    apply_factory_merges,
+    load_content_metadata,
+    load_sharded_metadata,
+    load_tensors_metadata,
+)
 from .reader import (
     CheckpointReader,
     VerifyReport,
@@ -30,6 +37,7 @@ from .saver import AsyncSaveHandle, Saver, async_save, save, wait_for_saves
 from .saving import SaveStats
 from .sharding import (
     LocalNonPersistentObject,
+    LocalNonpersistentObject,
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
@@ -48,6 +56,7 @@ __all__ = [
     "IncompatibleRequestError",
     "IncompleteCheckpointError",
     "LocalNonPersistentObject",
+    "LocalNonpersistentObject",
     "MissingKeyError",
     "AsyncSaveHandle",
     "SaveStats",
@@ -68,6 +77,10 @@ __all__ = [
     "register_state_dict_adapter",
     "load",
     "load_content_metadata",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+    "apply_factories",
+    "apply_factory_merges",
     "save",
     "wait_for_saves",
 ]

@@ -22,7 +22,7 @@ from .format import (
     TensorEntry,
 )
 from .location import Location
-from .saving import CoordinatorPlan, PlannedSave, abort, work_dir
+from .saving import CoordinatorPlan, PlannedSave, abort, occupied, work_dir
 
 
 def finalize(
@@ -107,7 +107,7 @@ def commit(loc: Location, token: str, manifest: Manifest, overwrite: bool) -> No
     parent.sync_dir(f"{work}/data")
     parent.sync_dir(work)
     old = None
-    if parent.exists(loc.name):
+    if occupied(loc):
         if not overwrite:
             raise CheckpointExistsError(
                 f"{loc.url} appeared while saving; pass overwrite=True to replace it"

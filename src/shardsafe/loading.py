@@ -402,6 +402,9 @@ class _LoadJob:
         result = _merge(self.tree, common, self.values, self.skip)
         for fpath, factory in reversed(self.factories):
             result = _replace_at(result, fpath, factory.merge_fn(_get_at(result, fpath)))
+        content = manifest.user_metadata.get("content_metadata")
+        if isinstance(result, dict) and isinstance(content, dict):
+            result.setdefault("content_metadata", dict(content))  # where Megatron-LM reads it
         return result
 
 

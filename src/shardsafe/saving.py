@@ -230,7 +230,7 @@ def check_content_metadata(content_metadata: Mapping[str, Any] | None) -> None:
 def begin(loc: Location, token: str, overwrite: bool) -> None:
     """Coordinator: refuse an existing target or a concurrent save; create the work directory."""
     parent = loc.parent
-    if parent.exists(loc.name) and not overwrite:
+    if occupied(loc) and not overwrite:
         raise CheckpointExistsError(
             f"{loc.url} already exists; pass overwrite=True to replace it (the old checkpoint stays intact until the new one commits)"
         )
@@ -244,6 +244,14 @@ def begin(loc: Location, token: str, overwrite: bool) -> None:
         parent.remove_tree(loc.join(MANIFEST_NAME))  # object-store overwrite: uncommit first
     parent.make_dir(work)
     parent.make_dir(f"{work}/data")
+
+
+def occupied(loc: Location) -> bool:
+    """Whether the target exists; an existing *empty* directory is free to save into (Megatron's ``save`` expects one)."""
+    parent = loc.parent
+    if not parent.exists(loc.name):
+        return False
+    return not (parent.is_dir(loc.name) and not parent.list_dir(loc.name))
 
 
 def work_dir(loc: Location, token: str) -> str:

@@ -328,6 +328,9 @@ class LocalNonPersistentObject:
         return self.obj
 
 
+LocalNonpersistentObject = LocalNonPersistentObject
+"""Megatron-Core's spelling of the same class."""
+
 ShardedEntity = ShardedTensor | ShardedObject
 
 
