@@ -10,10 +10,12 @@ test cannot leave the next with half-initialised processes.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import queue
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -37,11 +39,17 @@ def _serve(rank: int, world: int, port: int, inbox: Any, out: Any, pg_timeout: f
             job = inbox.get()
             if job is None:
                 return
-            fn, args = job
+            fn, args, timeout = job
+            # a hung rank prints where it hangs before the caller kills it
+            faulthandler.dump_traceback_later(max(1.0, timeout - 3), exit=False)
             try:
-                out.put((rank, "ok", fn(rank, world, *args)))
+                result = fn(rank, world, *args)
+                ForkingPickler.dumps(result)  # fail here, not silently in the queue's feeder thread
+                out.put((rank, "ok", result))
             except BaseException as e:
                 out.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            finally:
+                faulthandler.cancel_dump_traceback_later()
     finally:
         try:
             dist.destroy_process_group()
@@ -81,7 +89,7 @@ class RankPool:
             self.close()
             self._start()
         for inbox in self.inboxes:
-            inbox.put((fn, args))
+            inbox.put((fn, args, timeout))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout

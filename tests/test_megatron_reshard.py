@@ -13,6 +13,7 @@ import torch
 from megatron_models import (
     adam_state,
     consolidate,
+    cpu_as_cuda,
     dist_adam_state,
     gpt,
     named_params,
@@ -57,11 +58,12 @@ def save_gpt(rank, world, path, tp, pp, distributed=False, sharding_type=None):
     train_step(ddp, opt, seed=5)
     model_sd = model.sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": sharding_type} if sharding_type else None
-    sd = {
-        "model": model_sd,
-        "optimizer": opt.sharded_state_dict(model_sd, metadata=metadata),
-        "iteration": 7,
-    }
+    with cpu_as_cuda():
+        sd = {
+            "model": model_sd,
+            "optimizer": opt.sharded_state_dict(model_sd, metadata=metadata),
+            "iteration": 7,
+        }
     shardsafe.save(sd, path)
     return _report(model, opt, distributed)
 
@@ -71,13 +73,33 @@ def load_gpt(rank, world, path, tp, pp, distributed=False, sharding_type=None):
     ddp, opt = with_optimizer(model, distributed)
     model_sd = model.sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": sharding_type} if sharding_type else None
-    template = {
-        "model": model_sd,
-        "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata),
-    }
+    with cpu_as_cuda():
+        if distributed:  # Megatron's own preparation of a fresh DistributedOptimizer for a load
+            for sub in opt.chained_optimizers:
+                sub._init_optimizer_states_with_dummy_values()
+        template = {
+            "model": model_sd,
+            "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata),
+        }
     out = shardsafe.load(template, path)
     model.load_state_dict(out["model"])
-    opt.load_state_dict(out["optimizer"])
+    if sharding_type == "fully_reshardable":
+        # Megatron-Core 0.16.1 cannot apply this format with torch's Adam (no Apex/TE): its
+        # load_parameter_state_from_fully_reshardable drops "step", which
+        # _set_main_param_and_optimizer_states then requires. Check what load returned instead,
+        # per parameter in the order Megatron numbers them (buffer.param_index_map).
+        report = {**_coords(), "params": named_params(model)}
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for b in opt.chained_optimizers[0].buffers for p in b.param_index_map]
+        report["model_space"] = {
+            order[i]: {k: v.detach().clone() for k, v in st.items()}
+            for i, st in out["optimizer"]["param_state"].items()
+        }
+        report["iteration"] = out["iteration"]
+        return report
+    # fp32 main params are views of the parameters here (no bf16 copy): copy without autograd
+    with cpu_as_cuda(), torch.no_grad():
+        opt.load_state_dict(out["optimizer"])
     report = _report(model, opt, distributed)
     report["iteration"] = out["iteration"]
     return report
@@ -120,3 +142,46 @@ def test_gpt_and_adam_reshard_exactly(pool, tmp_path, src, dst):
     saved = pool.run(save_gpt, path, *src)
     loaded = pool.run(load_gpt, path, *dst)
     _assert_same(saved, loaded)
+
+
+def _full_dist(parts: list[dict], moment: str) -> dict[str, torch.Tensor]:
+    """TP1/PP1 tensors of a DistributedOptimizer's ``moment`` from every DP rank's flat ranges."""
+    flat: dict[tuple[int, int, str], torch.Tensor] = {}
+    for p in parts:
+        for name, st in p["adam"].items():
+            shape = p["params"][name].shape
+            buf = flat.setdefault((p["tp"], p["pp"], name), torch.full(shape, float("nan")).view(-1))
+            start, end = st["range"]
+            buf[start:end] = st[moment]
+    per_rank: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    for (tp, pp, name), buf in flat.items():
+        assert not buf.isnan().any(), (moment, name)  # every element held by some DP rank
+        per_rank.setdefault((tp, pp), {})[name] = buf.view(parts[0]["params"][name].shape)
+    pps = 1 + max(p["pp"] for p in parts)
+    return consolidate(
+        [{"tp": tp, "pp": pp, "tensors": t} for (tp, pp), t in per_rank.items()], LAYERS // pps
+    )
+
+
+@pytest.mark.parametrize(
+    "fmt,src,dst",
+    [("fully_reshardable", (1, 1), (2, 1)), ("dp_reshardable", (1, 1), (1, 1))],
+    ids=["fully_reshardable-dp2-to-tp2", "dp_reshardable-dp2"],
+)
+def test_distributed_optimizer_formats(pool, tmp_path, fmt, src, dst):
+    path = str(tmp_path / "ckpt")
+    saved = pool.run(save_gpt, path, *src, True, fmt)
+    loaded = pool.run(load_gpt, path, *dst, True, fmt)
+    want, got = _full(saved, "params"), _full(loaded, "params")
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    for moment in ("param", "exp_avg", "exp_avg_sq"):
+        want = _full_dist(saved, moment)
+        if fmt == "fully_reshardable":
+            got = _full(loaded, "model_space", moment)
+        else:
+            got = _full_dist(loaded, moment)
+        assert sorted(want) == sorted(got)
+        for name in want:
+            assert torch.equal(want[name], got[name]), (moment, name)
+    assert all(p["iteration"] == 7 for p in loaded)
