@@ -74,7 +74,7 @@ class RankPool:
             ctx.Process(
                 target=_serve,
                 args=(r, self.world, port, self.inboxes[r], self.out, self.pg_timeout),
-                daemon=True,
+                daemon=False,  # ranks may start helper processes (Megatron's save does)
             )
             for r in range(self.world)
         ]

@@ -8,6 +8,9 @@ ranks' live parameters and Adam moments (see ``megatron_models.consolidate``).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from megatron_models import (
@@ -184,4 +187,59 @@ def test_distributed_optimizer_formats(pool, tmp_path, fmt, src, dst):
         assert sorted(want) == sorted(got)
         for name in want:
             assert torch.equal(want[name], got[name]), (moment, name)
+    assert all(p["iteration"] == 7 for p in loaded)
+
+
+def megatron_save_model(rank, world, path, tp, pp):
+    from megatron.core import dist_checkpointing
+
+    model = gpt(tp, pp, seed=1234, layers=LAYERS)
+    with cpu_as_cuda():  # Megatron's save synchronizes CUDA streams
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 3}, path)
+    return {**_coords(), "params": named_params(model)}
+
+
+def load_model(rank, world, path, tp, pp, by_megatron):
+    model = gpt(tp, pp, seed=99, layers=LAYERS)
+    template = {"model": model.sharded_state_dict()}
+    if by_megatron:
+        from megatron.core import dist_checkpointing
+
+        with cpu_as_cuda():
+            out = dist_checkpointing.load(template, path)
+    else:
+        out = shardsafe.load(template, path)
+    model.load_state_dict(out["model"])
+    return {**_coords(), "params": named_params(model), "iteration": out["iteration"]}
+
+
+def _assert_same_params(saved: list[dict], loaded: list[dict]) -> None:
+    want, got = _full(saved, "params"), _full(loaded, "params")
+    assert sorted(want) == sorted(got)
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def test_megatron_torch_dist_checkpoint_loads_into_another_layout(pool, tmp_path):
+    path = tmp_path / "iter_0000003"
+    path.mkdir()  # Megatron's save expects the directory
+    saved = pool.run(megatron_save_model, str(path), 2, 1)
+    assert (path / "metadata.json").is_file() and (path / ".metadata").is_file()
+    loaded = pool.run(load_model, str(path), 1, 2, False)  # TP2 -> PP2, read by shardsafe.load
+    _assert_same_params(saved, loaded)
+    assert all(p["iteration"] == 3 for p in loaded)
+
+
+def test_convert_to_megatron_is_read_by_megatron_core(pool, tmp_path):
+    src, dst = tmp_path / "ckpt", tmp_path / "megatron"
+    saved = pool.run(save_gpt, str(src), 1, 2)
+    out = subprocess.run(
+        [sys.executable, "-m", "shardsafe", "convert", str(src), str(dst), "--to", "megatron"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    loaded = pool.run(load_model, str(dst), 2, 1, True)  # PP2 -> TP2, read by Megatron-Core
+    _assert_same_params(saved, loaded)
     assert all(p["iteration"] == 7 for p in loaded)

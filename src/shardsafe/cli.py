@@ -296,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=("torch", "hf", "dcp", "shardsafe"))
+    p.add_argument(
+        "--to", required=True, choices=("torch", "hf", "dcp", "megatron", "shardsafe")
+    )
     p.add_argument(
         "--from",
         dest="source_format",

@@ -188,6 +188,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             )
         elif args.to == "dcp":
             export_dcp(selected, args.dst, progress=progress, overwrite=args.overwrite)
+        elif args.to == "megatron":
+            from .convert.megatron_export import export_megatron
+
+            export_megatron(selected, args.dst, progress=progress, overwrite=args.overwrite)
         else:
             export_shardsafe(selected, args.dst, progress=progress, overwrite=args.overwrite)
     print(f"wrote {args.dst} ({args.to})")

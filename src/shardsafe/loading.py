@@ -225,6 +225,14 @@ def load(
     strict = StrictHandling(strict)
     comm = get_comm(process_group)
     t0 = time.perf_counter()
+    if _megatron_torch_dist(path):
+        # a checkpoint Megatron-Core wrote: read by the converter's DCP reader, imported only here
+        from .convert.megatron_dist import load_torch_dist
+
+        loaded, err = outcome(lambda: load_torch_dist(sharded_state_dict, path, strict))
+        comm.arrive("load", timeout)
+        raise_for([r["error"] for r in comm.all_gather({"error": err})], "load")
+        return loaded
     job, err = outcome(
         lambda: _LoadJob(
             sharded_state_dict, path, strict, threads or default_threads(), max_buffer_bytes
@@ -297,6 +305,16 @@ def load(
     if strict.returns:
         return result, missing, set(job.unexpected)
     return result
+
+
+def _megatron_torch_dist(path: str | os.PathLike[str]) -> bool:
+    """A local Megatron-Core ``torch_dist`` directory (its ``metadata.json``, no manifest of ours)."""
+    if not isinstance(path, str | os.PathLike) or "://" in os.fspath(path):
+        return False
+    root = os.fspath(path)
+    return os.path.isfile(os.path.join(root, "metadata.json")) and not os.path.exists(
+        os.path.join(root, MANIFEST_NAME)
+    )
 
 
 def _request_from_json(q: list[Any]) -> Request:
