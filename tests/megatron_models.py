@@ -187,7 +187,10 @@ def dist_adam_state(opt: Any, model: Any) -> dict[str, dict[str, Any]]:
                             tensors = sub._get_main_param_and_optimizer_states(param)
                         out[names[id(param)]] = {
                             "range": (r.start, r.end),
-                            **{k: tensors[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq")},
+                            **{
+                                k: tensors[k].detach().clone()
+                                for k in ("param", "exp_avg", "exp_avg_sq")
+                            },
                         }
     return out
 

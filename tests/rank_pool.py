@@ -19,7 +19,6 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.multiprocessing as mp
-
 from distributed import RankFailure, free_port
 
 

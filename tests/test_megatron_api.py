@@ -64,7 +64,9 @@ def test_megatron_entities_keep_their_meaning(tmp_path):
     assert tensors["decoder.layers.w"].global_shape == (2, 3, 4)
     assert tensors["fused.a"].data is None and tensors["fused.a"].dtype == torch.float32
     sharded = shardsafe.load_sharded_metadata(path)
-    assert "rng/shard_0_1" in sharded and isinstance(sharded["rng/shard_0_1"], shardsafe.ShardedObject)
+    assert "rng/shard_0_1" in sharded and isinstance(
+        sharded["rng/shard_0_1"], shardsafe.ShardedObject
+    )
     assert "local" not in shardsafe.load_common_state_dict(path)  # never saved
 
     template = _state(2, extra="this run's value")
@@ -89,8 +91,11 @@ def test_megatron_stored_shape_mismatch_needs_allow_shape_mismatch(tmp_path):
 def test_content_metadata_where_megatron_reads_it(tmp_path):
     path = str(tmp_path / "ckpt")
     meta = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False}
-    shardsafe.save({"w": mcore.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, path,
-                   content_metadata=meta)
+    shardsafe.save(
+        {"w": mcore.ShardedTensor.from_rank_offsets("w", torch.ones(2))},
+        path,
+        content_metadata=meta,
+    )
     assert shardsafe.load_content_metadata(path) == meta
     out = shardsafe.load({"w": mcore.ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, path)
     assert out["content_metadata"] == meta
@@ -107,14 +112,18 @@ def test_save_into_an_existing_empty_directory(tmp_path):
 
 
 def test_apply_factories_and_merges_as_megatron():
-    sd = {"f": shardsafe.ShardedTensorFactory("f", torch.arange(4.0), _our_build, _split_merge),
-          "n": [shardsafe.ShardedTensorFactory("g", torch.arange(2.0), _our_build, _split_merge)]}
+    sd = {
+        "f": shardsafe.ShardedTensorFactory("f", torch.arange(4.0), _our_build, _split_merge),
+        "n": [shardsafe.ShardedTensorFactory("g", torch.arange(2.0), _our_build, _split_merge)],
+    }
     template = dict(sd, n=list(sd["n"]))
     assert shardsafe.apply_factories(sd) is None  # in place, like Megatron
     assert sorted(sd["f"]) == ["a", "b"] and sd["f"]["a"].key == "f.a"
     assert sd["n"][0]["b"].key == "g.b"
-    loaded = {"f": {"a": torch.tensor([0.0, 1.0]), "b": torch.tensor([2.0, 3.0])},
-              "n": [{"a": torch.tensor([0.0]), "b": torch.tensor([1.0])}]}
+    loaded = {
+        "f": {"a": torch.tensor([0.0, 1.0]), "b": torch.tensor([2.0, 3.0])},
+        "n": [{"a": torch.tensor([0.0]), "b": torch.tensor([1.0])}],
+    }
     merged = shardsafe.apply_factory_merges(loaded, template)
     assert merged is loaded and torch.equal(loaded["f"], torch.arange(4.0))
     assert torch.equal(loaded["n"][0], torch.arange(2.0))
@@ -124,8 +133,10 @@ def test_apply_factories_and_merges_as_megatron():
 
 def _our_build(key, data, replica_id, flattened_range):
     a, b = data.chunk(2)
-    return {"a": shardsafe.ShardedTensor.from_rank_offsets(f"{key}.a", a),
-            "b": shardsafe.ShardedTensor.from_rank_offsets(f"{key}.b", b)}
+    return {
+        "a": shardsafe.ShardedTensor.from_rank_offsets(f"{key}.a", a),
+        "b": shardsafe.ShardedTensor.from_rank_offsets(f"{key}.b", b),
+    }
 
 
 class _Shardish:

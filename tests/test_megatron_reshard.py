@@ -73,7 +73,7 @@ def save_gpt(rank, world, path, tp, pp, distributed=False, sharding_type=None):
 
 def load_gpt(rank, world, path, tp, pp, distributed=False, sharding_type=None):
     model = gpt(tp, pp, seed=99, layers=LAYERS)
-    ddp, opt = with_optimizer(model, distributed)
+    _, opt = with_optimizer(model, distributed)
     model_sd = model.sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": sharding_type} if sharding_type else None
     with cpu_as_cuda():
@@ -153,7 +153,9 @@ def _full_dist(parts: list[dict], moment: str) -> dict[str, torch.Tensor]:
     for p in parts:
         for name, st in p["adam"].items():
             shape = p["params"][name].shape
-            buf = flat.setdefault((p["tp"], p["pp"], name), torch.full(shape, float("nan")).view(-1))
+            buf = flat.setdefault(
+                (p["tp"], p["pp"], name), torch.full(shape, float("nan")).view(-1)
+            )
             start, end = st["range"]
             buf[start:end] = st[moment]
     per_rank: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -243,3 +245,27 @@ def test_convert_to_megatron_is_read_by_megatron_core(pool, tmp_path):
     loaded = pool.run(load_model, str(dst), 2, 1, True)  # PP2 -> TP2, read by Megatron-Core
     _assert_same_params(saved, loaded)
     assert all(p["iteration"] == 7 for p in loaded)
+
+
+class _OnePiece:
+    """One rank's piece of a tensor, described Megatron-style by a class shardsafe does not know."""
+
+    def __init__(self, rank):
+        self.key, self.global_shape, self.global_offset = "w", (4,), (2 * rank,)
+        self.data = torch.full((2,), float(rank))
+
+
+def save_unknown_sharded(rank, world, path):
+    try:
+        shardsafe.save({"model": {"w": _OnePiece(rank)}, "step": 1}, path)
+    except shardsafe.ValidationError as e:
+        return str(e)
+    return None
+
+
+def test_unknown_sharded_object_is_refused_on_every_rank(pool, tmp_path):
+    path = tmp_path / "ckpt"
+    messages = pool.run(save_unknown_sharded, str(path))
+    for m in messages:
+        assert m is not None and "state_dict['model']['w']" in m and "_OnePiece" in m
+    assert not path.exists()

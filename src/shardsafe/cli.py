@@ -296,9 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument(
-        "--to", required=True, choices=("torch", "hf", "dcp", "megatron", "shardsafe")
-    )
+    p.add_argument("--to", required=True, choices=("torch", "hf", "dcp", "megatron", "shardsafe"))
     p.add_argument(
         "--from",
         dest="source_format",

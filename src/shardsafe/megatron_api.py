@@ -36,9 +36,7 @@ def load_tensors_metadata(
 ) -> dict[str, ShardedTensor]:
     """``{tensor key: ShardedTensor}`` without data, each one piece of its global shape and dtype."""
     _no_strategy(sharded_strategy=sharded_strategy)
-    return {
-        k: v for k, v in load_metadata(checkpoint_dir).items() if isinstance(v, ShardedTensor)
-    }
+    return {k: v for k, v in load_metadata(checkpoint_dir).items() if isinstance(v, ShardedTensor)}
 
 
 def load_sharded_metadata(

@@ -66,9 +66,7 @@ def load_torch_dist(
         log.warning("%s", msg)
     skip = set(unexpected)
     values: dict[int, Any] = {}
-    wanted = sorted(
-        (st for _, st in split.tensors if st.key not in skip), key=lambda st: st.key
-    )
+    wanted = sorted((st for _, st in split.tensors if st.key not in skip), key=lambda st: st.key)
     current: tuple[str, torch.Tensor] | None = None
     for st in wanted:
         if current is None or current[0] != st.key:
@@ -105,16 +103,21 @@ def _cut(st: ShardedTensor, full: torch.Tensor, where: str) -> torch.Tensor:
     if st.data is not None:
         data = st.data
     elif st.allow_shape_mismatch:
-        data = torch.zeros(st.local_shape if st.flattened_range is None else (st.numel,), dtype=st.dtype)
+        data = torch.zeros(
+            st.local_shape if st.flattened_range is None else (st.numel,), dtype=st.dtype
+        )
     else:
-        data = torch.empty(st.local_shape if st.flattened_range is None else (st.numel,), dtype=st.dtype)
+        data = torch.empty(
+            st.local_shape if st.flattened_range is None else (st.numel,), dtype=st.dtype
+        )
     if st.allow_shape_mismatch and stored != st.global_shape:
         data.zero_()
     flat = data.view(-1) if st.flattened_range is not None else None
     with torch.no_grad():
         for pos, box in st.boxes():
             src_region = tuple(
-                slice(min(o, s), min(o + n, s)) for o, n, s in zip(box.offset, box.shape, stored, strict=True)
+                slice(min(o, s), min(o + n, s))
+                for o, n, s in zip(box.offset, box.shape, stored, strict=True)
             )
             piece = full[src_region].to(st.dtype)
             if flat is not None:

@@ -65,7 +65,7 @@ def export_megatron(
     for key in keys:
         shape, dtype = source.tensor_meta(key)
         state[key] = torch.empty(shape, dtype=dtype, device="meta")
-    object_keys = getattr(source, "object_keys", lambda: [])()
+    object_keys: list[str] = getattr(source, "object_keys", list)()
     read_object = getattr(source, "read_object", None)
     for ukey in object_keys:
         if ukey in state:
@@ -75,7 +75,9 @@ def export_megatron(
         # non-tensor item with torch.save, which is what Megatron's reader loads
         state[ukey] = [read_object(ukey)]
     common = source.common()
-    planner = _SourcePlanner(source, keys, progress, sum(tensor_nbytes(*source.tensor_meta(k)) for k in keys))
+    planner = _SourcePlanner(
+        source, keys, progress, sum(tensor_nbytes(*source.tensor_meta(k)) for k in keys)
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         torch.distributed.checkpoint.save(
@@ -84,7 +86,9 @@ def export_megatron(
             planner=planner,
             no_dist=True,
         )
-    common = _without_sharded_places(dict(common) if isinstance(common, dict) else {"common": common})
+    common = _without_sharded_places(
+        dict(common) if isinstance(common, dict) else {"common": common}
+    )
     torch.save(common, dst / MEGATRON_COMMON_FILE)
     (dst / MEGATRON_CONFIG_FILE).write_text(json.dumps(MEGATRON_CONFIG))
     return dst
