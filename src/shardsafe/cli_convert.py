@@ -154,6 +154,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
         dtype = getattr(torch, args.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise SystemExit(f"shardsafe convert: error: unknown --dtype {args.dtype!r}")
+    if args.map:
+        if args.to != "hf" or not args.heads or not args.query_groups:
+            raise SystemExit(
+                "shardsafe convert: error: --map megatron-gpt needs --to hf, --heads and --query-groups"
+            )
+        from .convert.megatron_hf import megatron_gpt_to_hf
+
+        source = megatron_gpt_to_hf(
+            source, num_attention_heads=args.heads, num_query_groups=args.query_groups
+        )
     if args.to == "hf":
         selected: Any = source
     else:
@@ -186,6 +196,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 progress=progress,
                 overwrite=args.overwrite,
             )
+            if args.map:
+                from .convert.megatron_hf import llama_config, write_llama_config
+
+                config = llama_config(
+                    source,
+                    num_attention_heads=args.heads,
+                    num_query_groups=args.query_groups,
+                    rms_norm_eps=args.norm_eps,
+                    rope_theta=args.rope_theta,
+                )
+                write_llama_config(Path(args.dst), config)
         elif args.to == "dcp":
             export_dcp(selected, args.dst, progress=progress, overwrite=args.overwrite)
         elif args.to == "megatron":
