@@ -9,6 +9,7 @@ ranks' live parameters and Adam moments (see ``megatron_models.consolidate``).
 from __future__ import annotations
 
 import contextlib
+import pickle
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ from megatron_models import (
     train_step,
     with_optimizer,
 )
+from distributed import run_ranks
 from rank_pool import RankPool
 
 import shardsafe
@@ -305,3 +307,24 @@ def test_megatron_gpt_to_hugging_face_llama_logits_match(pool, tmp_path):
         hf_logits = hf(torch.tensor(TOKENS)).logits
     assert hf_logits.shape == logits.shape
     assert (hf_logits - logits).abs().max().item() <= 1e-4
+
+
+def _load_gpt_bytes(*args):
+    """load_gpt's report as bytes: a process that exits cannot share tensor storage by fd."""
+    return pickle.dumps(load_gpt(*args))
+
+
+def test_distributed_optimizer_dp_reshardable_across_dp_sizes(pool, tmp_path):
+    """dp_reshardable reshards along DP only: saved by 2 DP ranks, loaded by 1 process."""
+    path = str(tmp_path / "ckpt")
+    saved = pool.run(save_gpt, path, 1, 1, True, "dp_reshardable")
+    loaded = [
+        pickle.loads(r)
+        for r in run_ranks(_load_gpt_bytes, 1, path, 1, 1, True, "dp_reshardable", timeout=300)
+    ]
+    _assert_same_params(saved, loaded)
+    for moment in ("param", "exp_avg", "exp_avg_sq"):
+        want, got = _full_dist(saved, moment), _full_dist(loaded, moment)
+        assert sorted(want) == sorted(got)
+        for name in want:
+            assert torch.equal(want[name], got[name]), (moment, name)
