@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from distributed import run_ranks
 from megatron_models import (
     adam_state,
     consolidate,
@@ -25,7 +26,6 @@ from megatron_models import (
     train_step,
     with_optimizer,
 )
-from distributed import run_ranks
 from rank_pool import RankPool
 
 import shardsafe
