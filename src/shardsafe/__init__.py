@@ -16,8 +16,10 @@ from .errors import (
     ValidationError,
 )
 from .integrations.dtensor import dtensor_aware as _dtensor_aware
+from .integrations.megatron import is_torch_dist_dir as _is_torch_dist_dir
+from .integrations.megatron import load_torch_dist_dir as _load_torch_dist_dir
 from .integrations.megatron import megatron_aware as _megatron_aware
-from .loading import StrictHandling, load
+from .loading import StrictHandling, load, register_foreign_loader
 from .manager import CheckpointManager
 from .megatron_api import (
     apply_factories,
@@ -46,6 +48,7 @@ from .sharding import (
 
 register_state_dict_adapter(_dtensor_aware)  # a model.state_dict() holding DTensors just works
 register_state_dict_adapter(_megatron_aware)  # Megatron-Core's own sharded state dicts too
+register_foreign_loader(_is_torch_dist_dir, _load_torch_dist_dir)  # and its torch_dist directories
 
 __all__ = [
     "CheckpointError",

@@ -225,11 +225,11 @@ def load(
     strict = StrictHandling(strict)
     comm = get_comm(process_group)
     t0 = time.perf_counter()
-    if _megatron_torch_dist(path):
-        # a checkpoint Megatron-Core wrote: read by the converter's DCP reader, imported only here
-        from .convert.megatron_dist import load_torch_dist
-
-        loaded, err = outcome(lambda: load_torch_dist(sharded_state_dict, path, strict))
+    foreign = next((fn for detect, fn in _FOREIGN_LOADERS if detect(path)), None)
+    if (
+        foreign is not None
+    ):  # e.g. a Megatron-Core torch_dist directory (see register_foreign_loader)
+        loaded, err = outcome(lambda: foreign(sharded_state_dict, path, strict))
         comm.arrive("load", timeout)
         raise_for([r["error"] for r in comm.all_gather({"error": err})], "load")
         return loaded
@@ -307,14 +307,19 @@ def load(
     return result
 
 
-def _megatron_torch_dist(path: str | os.PathLike[str]) -> bool:
-    """A local Megatron-Core ``torch_dist`` directory (its ``metadata.json``, no manifest of ours)."""
-    if not isinstance(path, str | os.PathLike) or "://" in os.fspath(path):
-        return False
-    root = os.fspath(path)
-    return os.path.isfile(os.path.join(root, "metadata.json")) and not os.path.exists(
-        os.path.join(root, MANIFEST_NAME)
-    )
+ForeignLoader = Callable[[Any, "str | os.PathLike[str]", StrictHandling], Any]
+_FOREIGN_LOADERS: list[tuple[Callable[[Any], bool], ForeignLoader]] = []
+
+
+def register_foreign_loader(detect: Callable[[Any], bool], loader: ForeignLoader) -> None:
+    """Let ``load`` read another framework's checkpoint directory in place of ours.
+
+    ``detect(path)`` says whether ``path`` is one; ``loader(template, path, strict)`` does this
+    rank's part of the load and returns what ``load`` returns. Higher layers (``convert/``)
+    plug in this way without the core importing them.
+    """
+    if (detect, loader) not in _FOREIGN_LOADERS:
+        _FOREIGN_LOADERS.append((detect, loader))
 
 
 def _request_from_json(q: list[Any]) -> Request:

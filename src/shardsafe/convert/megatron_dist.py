@@ -10,7 +10,6 @@ are cut from it. Megatron-Core does not need to be installed.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
@@ -26,22 +25,9 @@ from ..loading import (
     _replace_at,
 )
 from ..sharding import ShardedTensor, ShardedTensorFactory, adapt, split_state_dict
-from .dcp import MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE, DcpSource
+from .dcp import MEGATRON_COMMON_FILE, DcpSource
 
 log = logging.getLogger(__name__)
-
-
-def is_torch_dist_dir(path: str | os.PathLike[str]) -> bool:
-    """A local directory Megatron-Core wrote with its ``torch_dist`` backend."""
-    config = os.path.join(os.fspath(path), MEGATRON_CONFIG_FILE)
-    if not os.path.isfile(config):
-        return False
-    try:
-        with open(config, encoding="utf-8") as f:
-            backend = json.load(f).get("sharded_backend")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return backend == "torch_dist"
 
 
 def load_torch_dist(

@@ -15,6 +15,8 @@ it, so when the module is absent there is nothing to rewrite.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 
 from ..errors import ValidationError
+from ..format import MANIFEST_NAME
+from ..loading import StrictHandling
 from ..sharding import (
     LocalNonPersistentObject,
     ShardedObject,
@@ -122,3 +126,26 @@ def _tensor(st: Any, path: tuple[Any, ...]) -> ShardedTensor:
     except ValidationError as e:
         where = "state_dict" + "".join(f"[{p!r}]" for p in path)
         raise ValidationError(f"{where}: Megatron-Core ShardedTensor: {e}") from e
+
+
+def is_torch_dist_dir(path: Any) -> bool:
+    """A local directory Megatron-Core wrote with its ``torch_dist`` backend (and not ours)."""
+    if not isinstance(path, str | os.PathLike) or "://" in os.fspath(path):
+        return False
+    root = os.fspath(path)
+    config = os.path.join(root, "metadata.json")
+    if not os.path.isfile(config) or os.path.exists(os.path.join(root, MANIFEST_NAME)):
+        return False
+    try:
+        with open(config, encoding="utf-8") as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(backend == "torch_dist")
+
+
+def load_torch_dist_dir(template: Any, path: Any, strict: StrictHandling) -> Any:
+    """``load`` from a Megatron-Core ``torch_dist`` directory (the DCP reader loads on first use)."""
+    from ..convert.megatron_dist import load_torch_dist
+
+    return load_torch_dist(template, path, strict)
