@@ -172,3 +172,33 @@ def test_import_shardsafe_does_not_import_megatron():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_megatron_directory_round_trip_in_one_process(tmp_path):
+    """convert --to megatron, then shardsafe.load reads that torch_dist directory back, with
+    factories, objects and stacked layers; keys it lacks are named."""
+    from shardsafe.convert import open_source
+    from shardsafe.convert.megatron_export import export_megatron
+
+    src, dst = str(tmp_path / "ckpt"), tmp_path / "megatron"
+    saved = _state(3)
+    layers = [t.data.clone() for t in saved["layers"]]
+    fused = saved["fused"].data.clone()
+    shardsafe.save(saved, src)
+    export_megatron(open_source(src), dst)
+    assert sorted(p.name for p in dst.iterdir() if not p.name.startswith("__")) == [
+        ".metadata",
+        "common.pt",
+        "metadata.json",
+    ]
+    out = shardsafe.load(_state(4, extra="mine"), str(dst))
+    for i in range(2):
+        assert torch.equal(out["layers"][i], layers[i])
+    assert torch.equal(out["fused"], fused)
+    assert out["rng"] == {"seed": 3} and out["local"] == "mine" and out["iteration"] == 3
+    extra = {"w": mcore.ShardedTensor.from_rank_offsets("not.there", torch.zeros(2))}
+    with pytest.raises(shardsafe.MissingKeyError, match="not.there"):
+        shardsafe.load(extra, str(dst), strict="raise_unexpected")
+    wrong = {"w": mcore.ShardedTensor.from_rank_offsets("fused.a", torch.zeros(5, 2))}
+    with pytest.raises(shardsafe.CheckpointError, match="fused.a"):
+        shardsafe.load(wrong, str(dst))

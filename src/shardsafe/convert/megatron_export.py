@@ -78,6 +78,9 @@ def export_megatron(
     planner = _SourcePlanner(
         source, keys, progress, sum(tensor_nbytes(*source.tensor_meta(k)) for k in keys)
     )
+    # one item per key, as Megatron writes: a ShardedObject's list must not be flattened into
+    # "key.0.field" items
+    planner.flatten_state_dict = False
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         torch.distributed.checkpoint.save(
