@@ -197,8 +197,8 @@ def test_megatron_directory_round_trip_in_one_process(tmp_path):
     assert torch.equal(out["fused"], fused)
     assert out["rng"] == {"seed": 3} and out["local"] == "mine" and out["iteration"] == 3
     extra = {"w": mcore.ShardedTensor.from_rank_offsets("not.there", torch.zeros(2))}
-    with pytest.raises(shardsafe.MissingKeyError, match="not.there"):
+    with pytest.raises(shardsafe.MissingKeyError, match=r"not\.there"):
         shardsafe.load(extra, str(dst), strict="raise_unexpected")
     wrong = {"w": mcore.ShardedTensor.from_rank_offsets("fused.a", torch.zeros(5, 2))}
-    with pytest.raises(shardsafe.CheckpointError, match="fused.a"):
+    with pytest.raises(shardsafe.CheckpointError, match=r"fused\.a"):
         shardsafe.load(wrong, str(dst))
