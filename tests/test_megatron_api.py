@@ -202,3 +202,21 @@ def test_megatron_directory_round_trip_in_one_process(tmp_path):
     wrong = {"w": mcore.ShardedTensor.from_rank_offsets("fused.a", torch.zeros(5, 2))}
     with pytest.raises(shardsafe.CheckpointError, match=r"fused\.a"):
         shardsafe.load(wrong, str(dst))
+
+
+def test_megatron_lm_common_state_with_args_loads(tmp_path):
+    """Megatron-LM's common.pt holds ``args`` (an argparse.Namespace): load returns it, no code runs."""
+    import argparse
+
+    from shardsafe.convert import open_source
+    from shardsafe.convert.megatron_export import export_megatron
+
+    src, dst = str(tmp_path / "ckpt"), tmp_path / "megatron"
+    shardsafe.save({"w": mcore.ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, src)
+    export_megatron(open_source(src), dst)
+    torch.save({"args": argparse.Namespace(lr=0.1), "iteration": 5}, dst / "common.pt")
+    out = shardsafe.load(
+        {"w": mcore.ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, str(dst)
+    )
+    assert out["args"].lr == 0.1 and out["iteration"] == 5
+    assert torch.equal(out["w"], torch.arange(4.0))

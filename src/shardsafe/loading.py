@@ -225,10 +225,9 @@ def load(
     strict = StrictHandling(strict)
     comm = get_comm(process_group)
     t0 = time.perf_counter()
+    # another framework's directory, e.g. Megatron-Core torch_dist (see register_foreign_loader)
     foreign = next((fn for detect, fn in _FOREIGN_LOADERS if detect(path)), None)
-    if (
-        foreign is not None
-    ):  # e.g. a Megatron-Core torch_dist directory (see register_foreign_loader)
+    if foreign is not None:
         loaded, err = outcome(lambda: foreign(sharded_state_dict, path, strict))
         comm.arrive("load", timeout)
         raise_for([r["error"] for r in comm.all_gather({"error": err})], "load")
