@@ -43,12 +43,6 @@ def megatron_mapping() -> ModuleType | None:
     return sys.modules.get(MAPPING_MODULE)
 
 
-def is_megatron_entity(value: Any) -> bool:
-    """True for an instance of any class of Megatron-Core's dist_checkpointing package."""
-    module = type(value).__module__ or ""
-    return module.startswith("megatron.core.dist_checkpointing")
-
-
 def megatron_aware(tree: Any) -> Any:
     """``tree`` with Megatron-Core's sharded entities replaced by shardsafe's (a new tree).
 
