@@ -68,7 +68,8 @@ def test_new_async_save_waits_for_the_one_in_flight(tmp_path):
 
 def test_async_error_reaches_the_handle_and_nothing_is_committed(tmp_path):
     saver = shardsafe.Saver()
-    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken").mkdir()  # an empty directory is free to save into (as Megatron's save)
+    (tmp_path / "taken" / "notes.txt").write_text("someone's file")
     with pytest.raises(shardsafe.CheckpointExistsError):
         saver.async_save(state(), tmp_path / "taken")
     sd = state()

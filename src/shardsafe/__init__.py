@@ -16,8 +16,18 @@ from .errors import (
     ValidationError,
 )
 from .integrations.dtensor import dtensor_aware as _dtensor_aware
-from .loading import StrictHandling, load, load_content_metadata
+from .integrations.megatron import is_torch_dist_dir as _is_torch_dist_dir
+from .integrations.megatron import load_torch_dist_dir as _load_torch_dist_dir
+from .integrations.megatron import megatron_aware as _megatron_aware
+from .loading import StrictHandling, load, register_foreign_loader
 from .manager import CheckpointManager
+from .megatron_api import (
+    apply_factories,
+    apply_factory_merges,
+    load_content_metadata,
+    load_sharded_metadata,
+    load_tensors_metadata,
+)
 from .reader import (
     CheckpointReader,
     VerifyReport,
@@ -30,6 +40,7 @@ from .saving import SaveStats
 from .sharding import (
     CoordinatorObject,
     LocalNonPersistentObject,
+    LocalNonpersistentObject,
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
@@ -37,6 +48,8 @@ from .sharding import (
 )
 
 register_state_dict_adapter(_dtensor_aware)  # a model.state_dict() holding DTensors just works
+register_state_dict_adapter(_megatron_aware)  # Megatron-Core's own sharded state dicts too
+register_foreign_loader(_is_torch_dist_dir, _load_torch_dist_dir)  # and its torch_dist directories
 
 __all__ = [
     "CheckpointError",
@@ -48,6 +61,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "CoordinatorObject",
     "LocalNonPersistentObject",
+    "LocalNonpersistentObject",
     "MissingKeyError",
     "AsyncSaveHandle",
     "SaveStats",
@@ -68,6 +82,10 @@ __all__ = [
     "register_state_dict_adapter",
     "load",
     "load_content_metadata",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+    "apply_factories",
+    "apply_factory_merges",
     "save",
     "release",
     "wait_for_saves",

@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=("torch", "hf", "dcp", "shardsafe"))
+    p.add_argument("--to", required=True, choices=("torch", "hf", "dcp", "megatron", "shardsafe"))
     p.add_argument(
         "--from",
         dest="source_format",
@@ -375,6 +375,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-shard-size", default="5GB", help="hf: largest safetensors file (default 5GB)"
     )
+    p.add_argument(
+        "--map",
+        choices=("megatron-gpt",),
+        help="hf: rename and re-layout a Megatron-Core GPT (Llama-style) checkpoint for transformers",
+    )
+    p.add_argument("--heads", type=int, help="--map megatron-gpt: number of attention heads")
+    p.add_argument("--query-groups", type=int, help="--map megatron-gpt: key/value heads")
+    p.add_argument("--rope-theta", type=float, default=10000.0, help="--map: config.json value")
+    p.add_argument("--norm-eps", type=float, default=1e-5, help="--map: config.json value")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument(
         "--trust",

@@ -188,6 +188,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 f"error: unknown --dtype {args.dtype!r} (e.g. bfloat16, float16)", file=sys.stderr
             )
             return 2
+    if args.map:
+        if args.to != "hf" or not args.heads or not args.query_groups:
+            print(
+                "error: --map megatron-gpt needs --to hf, --heads and --query-groups",
+                file=sys.stderr,
+            )
+            return 2
+        from .convert.megatron_hf import megatron_gpt_to_hf
+
+        source = megatron_gpt_to_hf(
+            source, num_attention_heads=args.heads, num_query_groups=args.query_groups
+        )
     if args.to == "hf":
         selected: Any = source
     else:
@@ -220,8 +232,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 progress=progress,
                 overwrite=args.overwrite,
             )
+            if args.map:
+                from .convert.megatron_hf import llama_config, write_llama_config
+
+                config = llama_config(
+                    source,
+                    num_attention_heads=args.heads,
+                    num_query_groups=args.query_groups,
+                    rms_norm_eps=args.norm_eps,
+                    rope_theta=args.rope_theta,
+                )
+                write_llama_config(Path(args.dst), config)
         elif args.to == "dcp":
             export_dcp(selected, args.dst, progress=progress, overwrite=args.overwrite)
+        elif args.to == "megatron":
+            from .convert.megatron_export import export_megatron
+
+            export_megatron(selected, args.dst, progress=progress, overwrite=args.overwrite)
         else:
             export_shardsafe(selected, args.dst, progress=progress, overwrite=args.overwrite)
     print(f"wrote {args.dst} ({args.to})")

@@ -232,6 +232,13 @@ def load(
     strict = StrictHandling(strict)
     comm = get_comm(process_group)
     t0 = time.perf_counter()
+    # another framework's directory, e.g. Megatron-Core torch_dist (see register_foreign_loader)
+    foreign = next((fn for detect, fn in _FOREIGN_LOADERS if detect(path)), None)
+    if foreign is not None:
+        loaded, err = outcome(lambda: foreign(sharded_state_dict, path, strict))
+        comm.arrive("load", timeout)
+        raise_for([r["error"] for r in comm.all_gather({"error": err})], "load")
+        return loaded
     job, err = outcome(
         lambda: _LoadJob(
             sharded_state_dict, path, strict, threads or default_threads(), max_buffer_bytes
@@ -306,6 +313,21 @@ def load(
     if strict.returns:
         return result, missing, set(job.unexpected)
     return result
+
+
+ForeignLoader = Callable[[Any, "str | os.PathLike[str]", StrictHandling], Any]
+_FOREIGN_LOADERS: list[tuple[Callable[[Any], bool], ForeignLoader]] = []
+
+
+def register_foreign_loader(detect: Callable[[Any], bool], loader: ForeignLoader) -> None:
+    """Let ``load`` read another framework's checkpoint directory in place of ours.
+
+    ``detect(path)`` says whether ``path`` is one; ``loader(template, path, strict)`` does this
+    rank's part of the load and returns what ``load`` returns. Higher layers (``convert/``)
+    plug in this way without the core importing them.
+    """
+    if (detect, loader) not in _FOREIGN_LOADERS:
+        _FOREIGN_LOADERS.append((detect, loader))
 
 
 def _request_from_json(q: list[Any]) -> Request:
@@ -447,6 +469,9 @@ class _LoadJob:
             result = _resolve_refs(result, lambda key: self._read_whole(reader, key))
         for fpath, factory in reversed(self.factories):
             result = _replace_at(result, fpath, factory.merge_fn(_get_at(result, fpath)))
+        content = manifest.user_metadata.get("content_metadata")
+        if isinstance(result, dict) and isinstance(content, dict):
+            result.setdefault("content_metadata", dict(content))  # where Megatron-LM reads it
         return result
 
     def _read_whole(self, reader: DataReader, key: str) -> torch.Tensor:

@@ -358,7 +358,7 @@ def begin(loc: Location, token: str, overwrite: bool, lease_ttl: float = LEASE_S
 def check_target(loc: Location, overwrite: bool) -> None:
     """Only a shardsafe checkpoint (or an empty directory) may be replaced, and only with ``overwrite``."""
     parent = loc.parent
-    if not parent.exists(loc.name):
+    if not occupied(loc):
         return
     if not overwrite:
         raise CheckpointExistsError(
@@ -382,6 +382,14 @@ def check_target(loc: Location, overwrite: bool) -> None:
         f"{loc.url} is {what} but not a shardsafe checkpoint (it has no {MANIFEST_NAME}); "
         "overwrite replaces checkpoints only: move or delete it yourself, or pick another path"
     )
+
+
+def occupied(loc: Location) -> bool:
+    """Whether the target exists; an existing *empty* directory is free to save into (Megatron's ``save`` expects one)."""
+    parent = loc.parent
+    if not parent.exists(loc.name):
+        return False
+    return not (parent.is_dir(loc.name) and not parent.list_dir(loc.name))
 
 
 def work_dir(loc: Location, token: str) -> str:

@@ -24,6 +24,7 @@ import torch
 
 from .errors import ValidationError
 from .geometry import Box, flat_range_to_boxes
+from .looks_sharded import refuse_sharded_leaf
 
 ReplicaId = int | tuple[int, ...]
 Path = tuple[str | int, ...]
@@ -349,6 +350,9 @@ class TensorRef:
     key: str
 
 
+LocalNonpersistentObject = LocalNonPersistentObject
+"""Megatron-Core's spelling of the same class."""
+
 ShardedEntity = ShardedTensor | ShardedObject
 
 
@@ -485,6 +489,7 @@ def split_state_dict(tree: Any, plain_tensors: bool = True) -> SplitStateDict:
             return kept
         if isinstance(node, list):
             return [walk(v, (*path, i)) for i, v in enumerate(node)]
+        refuse_sharded_leaf(node, _fmt(path))
         return node
 
     out.common = walk(tree, ())

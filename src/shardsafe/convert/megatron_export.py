@@ -1,0 +1,118 @@
+"""``shardsafe convert SRC DST --to megatron``: a directory Megatron-Core's own ``load`` reads.
+
+The escape hatch that makes trying shardsafe safe: any checkpoint we read becomes a
+Megatron-Core ``torch_dist`` checkpoint (the layout of megatron-core 0.16: ``.metadata``,
+``__0_*.distcp``, ``common.pt``, ``metadata.json``), which
+``megatron.core.dist_checkpointing.load`` loads into any TP/PP layout. Tensors are stored whole
+under their ``ShardedTensor`` keys (Megatron reads any box of them), ShardedObjects under their
+unique keys (``key/shard_<offset>_<shape>``), the common state in ``common.pt``.
+``metadata.json``, Megatron's commit marker, is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+
+from ..errors import CheckpointExistsError, ValidationError
+from .dcp import MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE
+from .dcp_writer import _SourcePlanner
+from .source import Progress, TensorSource, tensor_nbytes
+
+MEGATRON_CONFIG = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+
+def export_megatron(
+    source: TensorSource,
+    dst_dir: str | os.PathLike[str],
+    *,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``source`` as a Megatron-Core ``torch_dist`` checkpoint directory (one writer rank)."""
+    dst = Path(dst_dir)
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite or not (dst / MEGATRON_CONFIG_FILE).is_file():
+            raise CheckpointExistsError(
+                f"{dst} is not empty"
+                + (
+                    "; pass --overwrite to replace the Megatron checkpoint there"
+                    if (dst / MEGATRON_CONFIG_FILE).is_file()
+                    else "; only an existing Megatron checkpoint is ever replaced: choose an empty or new directory"
+                )
+            )
+        for path in dst.iterdir():
+            if path.is_file() and (
+                path.name in (".metadata", MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE)
+                or path.name.endswith(".distcp")
+            ):
+                path.unlink()
+    dst.mkdir(parents=True, exist_ok=True)
+
+    keys = source.tensor_keys()
+    state: dict[str, Any] = {}
+    for key in keys:
+        shape, dtype = source.tensor_meta(key)
+        state[key] = torch.empty(shape, dtype=dtype, device="meta")
+    object_keys: list[str] = getattr(source, "object_keys", list)()
+    read_object = getattr(source, "read_object", None)
+    for ukey in object_keys:
+        if ukey in state:
+            raise ValidationError(f"{ukey!r} names both a tensor and an object")
+        assert read_object is not None
+        # Megatron stores each ShardedObject as a one-element list; torch's writer saves a
+        # non-tensor item with torch.save, which is what Megatron's reader loads
+        state[ukey] = [read_object(ukey)]
+    common = source.common()
+    planner = _SourcePlanner(
+        source, keys, progress, sum(tensor_nbytes(*source.tensor_meta(k)) for k in keys)
+    )
+    # one item per key, as Megatron writes: a ShardedObject's list must not be flattened into
+    # "key.0.field" items
+    planner.flatten_state_dict = False
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        torch.distributed.checkpoint.save(
+            state,
+            storage_writer=FileSystemWriter(dst, single_file_per_rank=True),
+            planner=planner,
+            no_dist=True,
+        )
+    common = _without_sharded_places(
+        dict(common) if isinstance(common, dict) else {"common": common}
+    )
+    torch.save(common, dst / MEGATRON_COMMON_FILE)
+    (dst / MEGATRON_CONFIG_FILE).write_text(json.dumps(MEGATRON_CONFIG))
+    return dst
+
+
+def _without_sharded_places(tree: Any) -> Any:
+    """The common tree as Megatron keeps it: no lists holding only the ``None`` placeholders of
+    sharded entries (a factory's list of pieces) and no dicts emptied by removing them.
+
+    Megatron merges ``common.pt`` into the loaded tensors and refuses a value where a tensor goes.
+    """
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            pruned = _without_sharded_places(v)
+            if (isinstance(v, dict | list) and v) and not pruned:
+                continue
+            out[k] = pruned
+        return out
+    if isinstance(tree, list):
+        if tree and all(v is None for v in tree):
+            return []
+        return [_without_sharded_places(v) for v in tree]
+    return tree
