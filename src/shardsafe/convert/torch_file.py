@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, MissingKeyError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingKeyError,
+)
 from .errors import UnsupportedFormatError
 from .flatten import describe, flatten_state
 from .safe_pickle import load_torch_payload
@@ -162,6 +167,13 @@ class TorchFileSource:
             )
         flat, other = flatten_state(loaded)  # ``other``: objects only a trusted load can produce
         self._tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        for key, t in self._tensors.items():
+            if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized or t.is_nested:
+                raise CorruptCheckpointError(
+                    f"{self.path}: {key!r} is a {t.layout} tensor on {t.device}"
+                    f"{' (quantized)' if t.is_quantized else ''}{' (nested)' if t.is_nested else ''}; "
+                    "only dense CPU tensors convert (densify or dequantize it before saving)"
+                )
         self._common = {
             **{k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)},
             **other,
