@@ -281,7 +281,7 @@ def check_torch_archive(
             infos = zf.infolist()
     except Exception as e:  # zipfile raises BadZipFile, ValueError, OSError, struct.error...
         raise CorruptCheckpointError(
-            f"{where}: not a torch.save zip archive ({type(e).__name__}: {str(e)[:200]})"
+            f"{where}: refused: not a torch.save zip archive ({type(e).__name__}: {str(e)[:200]})"
         ) from None
     total = 0
     pickles = []

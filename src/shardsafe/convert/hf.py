@@ -216,7 +216,7 @@ class HfSource:
         if name not in self._files:
             if "\0" in name or "/" in name or name in ("", ".", ".."):
                 raise CorruptCheckpointError(
-                    f"{self.path}: the index names {name[:80]!r}, not a file in the folder"
+                    f"{self.path}: the index points outside the folder or at no file ({name[:80]!r})"
                 )
             self._files[name] = SafetensorsFile(name, root=self.path)
         return self._files[name]

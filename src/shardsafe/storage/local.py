@@ -143,6 +143,12 @@ def open_checked(root: str, rel: str, *, dense: bool = True) -> tuple[int, int]:
             f"refusing to follow a symbolic link that leads outside {real_root} to {parent}",
             path,
         )
+    if os.path.islink(path):  # lstat only: the link's target is neither opened nor stat'ed
+        raise PermissionError(
+            errno.EACCES,
+            "refusing to follow a symbolic link in place of a file (it may lead outside)",
+            path,
+        )
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
