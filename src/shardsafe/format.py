@@ -33,6 +33,9 @@ MAX_BLOCK_BYTES = 64 << 20
 """Checksum blocks are at most this big: a reader's scratch buffer holds two of them at most."""
 MAX_MANIFEST_BYTES = 1 << 30
 """A larger ``manifest.json`` is refused before it is read (parsing costs several times its size)."""
+MAX_INT = 1 << 62
+"""Sizes, offsets and coordinates in a manifest lie in ``[0, MAX_INT)``: sums of a few stay
+within 64 bits, and no number of 400 digits reaches arithmetic or formatting."""
 BLOB_TAGS = ("$tensor", "$ndarray", "$torch_save")
 """Encoded-value tags whose body names a blob under ``"blob"`` (``"$bytes"`` names one directly)."""
 _FILE_NAME = re.compile(r"^data/[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
@@ -246,14 +249,16 @@ class _Parser:
 
     def nat(self, obj: Any, name: str, ctx: str) -> int:
         value = self.get(obj, name, int, ctx)
-        if isinstance(value, bool) or value < 0:
-            raise self.bad(ctx, f"field {name!r} must be a non-negative integer")
+        if isinstance(value, bool) or not 0 <= value < MAX_INT:
+            raise self.bad(ctx, f"field {name!r} must be a non-negative integer below 2**62")
         return int(value)
 
     def ints(self, obj: Any, name: str, ctx: str) -> tuple[int, ...]:
         value = self.get(obj, name, list, ctx)
-        if not all(type(v) is int and v >= 0 for v in value) or len(value) > 64:
-            raise self.bad(ctx, f"field {name!r} must be a list of non-negative integers")
+        if not all(type(v) is int and 0 <= v < MAX_INT for v in value) or len(value) > 64:
+            raise self.bad(
+                ctx, f"field {name!r} must be a list of at most 64 integers in [0, 2**62)"
+            )
         return tuple(value)
 
     def manifest(self, obj: Any) -> Manifest:
