@@ -154,8 +154,11 @@ def verify_manifest(
     for name, entry in manifest.files.items():
         try:
             size = storage.size(name)
-        except OSError:
+        except FileNotFoundError:
             report.problems.append(f"{name}: missing")
+            continue
+        except OSError as e:
+            report.problems.append(f"{name}: unreadable ({e.strerror or e})")
             continue
         if size < entry.nbytes:
             report.problems.append(
