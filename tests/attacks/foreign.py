@@ -51,3 +51,50 @@ def read_foreign(path, label="", trust=False):
     attempt(f"{label}read", run)
 """
 """Driver code: ``read_foreign(path)`` opens any foreign format and reads all of it."""
+
+
+def deflated(archive: bytes, *, inflate_to: int = 0) -> bytes:
+    """``archive`` (a torch.save zip) with every record deflated; with ``inflate_to``, its
+    first storage record replaced by that many zero bytes (a decompression bomb)."""
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(
+        out, "w", zipfile.ZIP_DEFLATED
+    ) as dst:
+        bombed = False
+        for info in src.infolist():
+            name = info.filename
+            if inflate_to and not bombed and "/data/" in name and not name.endswith(".pkl"):
+                bombed = True
+                with dst.open(name, "w", force_zip64=True) as f:
+                    chunk = bytes(1 << 20)
+                    for _ in range(inflate_to >> 20):
+                        f.write(chunk)
+            else:
+                dst.writestr(name, src.read(info))
+    return out.getvalue()
+
+
+def torch_bytes(value: object) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def retarget_dcp_object(path: Path, key: str, file_name: str, data: bytes) -> None:
+    """Point the DCP object item ``key`` at ``data``, written as ``file_name`` (test-side,
+    trusted unpickling of the metadata the test wrote itself)."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    meta = pickle.loads((path / ".metadata").read_bytes())
+    (path / file_name).write_bytes(data)
+    for index in list(meta.storage_data):
+        if index.fqn == key:
+            meta.storage_data[index] = _StorageInfo(file_name, 0, len(data))
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
