@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 from pathlib import Path
 from typing import IO, Any
@@ -146,7 +147,10 @@ class DcpSource:
         self._objects: dict[str, Any] = {}
         self._common: dict[str, Any] | None = None
         for file in self._metadata_files():
-            self._index(file)
+            try:
+                self._index(file)
+            except RecursionError:  # values nested too deep even to describe
+                raise CorruptCheckpointError(f"{file}: metadata nested too deeply") from None
 
     # -- TensorSource -------------------------------------------------------------------------
 
@@ -162,6 +166,17 @@ class DcpSource:
         self._check_chunks(key, entry)
         if len(entry.chunks) == 1:  # the common case of an unsharded tensor: no copy at all
             return self._load_chunk(key, entry, entry.chunks[0])
+        stored = 0
+        for chunk in entry.chunks:
+            try:
+                stored += _natural(chunk.info.length)
+            except (AttributeError, TypeError, ValueError) as e:
+                raise CorruptCheckpointError(f"{self.path}: {key!r}: malformed storage entry ({e})") from None
+        nbytes = math.prod(entry.shape) * entry.dtype.itemsize
+        if nbytes > stored:  # each record holds its chunk's bytes, so this bounds the allocation
+            raise CorruptCheckpointError(
+                f"{self.path}: {key!r} claims {nbytes} bytes but its records hold {stored}"
+            )
         out = torch.empty(entry.shape, dtype=entry.dtype)
         for chunk in entry.chunks:
             data = self._load_chunk(key, entry, chunk)
@@ -289,7 +304,9 @@ class DcpSource:
         if any(len(o) != len(shape) or len(z) != len(shape) for o, z in pieces):
             raise CorruptCheckpointError(f"{file}: {key!r}: a chunk's rank differs from the tensor's")
         if not isinstance(dtype, torch.dtype):
-            raise CorruptCheckpointError(f"{file}: {key!r} has no valid dtype ({dtype!r})")
+            raise CorruptCheckpointError(
+                f"{file}: {key!r} has no valid dtype (a {type(dtype).__name__})"
+            )
         entry = self._tensors.get(key)
         if entry is None:
             entry = self._tensors[key] = _TensorEntry(shape, dtype, [])

@@ -125,7 +125,9 @@ class SafetensorsFile:
         self.data_start = 8 + length
         self.file_size = size
         metadata = header.pop("__metadata__", None) or {}
-        self.metadata: dict[str, str] = metadata if isinstance(metadata, dict) else {}
+        if not isinstance(metadata, dict):
+            raise CorruptCheckpointError(f"{self.path}: __metadata__ is not an object")
+        self.metadata: dict[str, str] = metadata
         self.entries: dict[str, tuple[Shape, torch.dtype, int, int]] = {}
         for name, info in header.items():
             try:

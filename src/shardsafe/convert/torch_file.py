@@ -165,15 +165,12 @@ class TorchFileSource:
             raise UnsupportedFormatError(
                 f"{self.path}: holds a {type(loaded).__name__}, not a dict of tensors"
             )
-        flat, other = flatten_state(loaded)  # ``other``: objects only a trusted load can produce
+        _refuse_odd_tensors(loaded, self.path)
+        try:
+            flat, other = flatten_state(loaded)
+        except RecursionError:
+            raise CorruptCheckpointError(f"{self.path}: values nested too deeply") from None  # ``other``: objects only a trusted load can produce
         self._tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        for key, t in self._tensors.items():
-            if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized or t.is_nested:
-                raise CorruptCheckpointError(
-                    f"{self.path}: {key!r} is a {t.layout} tensor on {t.device}"
-                    f"{' (quantized)' if t.is_quantized else ''}{' (nested)' if t.is_nested else ''}; "
-                    "only dense CPU tensors convert (densify or dequantize it before saving)"
-                )
         self._common = {
             **{k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)},
             **other,
@@ -197,3 +194,22 @@ class TorchFileSource:
             return self._tensors[key]
         except KeyError:
             raise MissingKeyError(f"{self.path}: no tensor {key!r}") from None
+
+
+def _refuse_odd_tensors(value: Any, path: Path) -> None:
+    """Only dense CPU tensors convert: meta, sparse, quantized and nested ones are refused."""
+    stack = [("", value)]
+    while stack:
+        key, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), x) for k, x in v.items())
+        elif isinstance(v, (list, tuple)):
+            stack.extend((f"{key}.{i}", x) for i, x in enumerate(v))
+        elif isinstance(v, torch.Tensor) and (
+            v.layout != torch.strided or v.device.type != "cpu" or v.is_quantized or v.is_nested
+        ):
+            kind = "quantized " if v.is_quantized else "nested " if v.is_nested else ""
+            raise CorruptCheckpointError(
+                f"{path}: {key!r} is a {kind}{v.layout} tensor on {v.device}; only dense CPU "
+                "tensors convert (densify, dequantize or move it to the CPU before saving)"
+            )
