@@ -1,7 +1,9 @@
 """Run readers on hostile inputs in a child process bounded in time and address space.
 
 Each attack test builds its inputs, then hands a few lines of Python to :func:`run_calls`.
-Those lines call ``attempt(name, fn)`` once per hostile input. The child caps its address
+Those lines call ``attempt(name, fn)`` once per hostile input, and ``cli(name, *argv)``
+to run the ``shardsafe`` command's ``main`` in the same bounded child (one test per class
+also runs the real ``python -m shardsafe`` in its own bounded process, :func:`run_cli`). The child caps its address
 space (what it uses after importing shardsafe, plus :data:`EXTRA_AS`), records every file
 it opens through Python (the ``open`` audit event) whose real path lies under the test's
 ``outside`` directory, times each call and measures the growth of its peak resident
@@ -65,6 +67,28 @@ def attempt(name, fn):
         "message": message[:2000],
         "seconds": time.monotonic() - start,
         "memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before,
+    })
+
+def cli(name, *argv):
+    """Run the ``shardsafe`` command in this process; record its exit status and output."""
+    import contextlib, io
+    from shardsafe.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    except BaseException as e:
+        code = f"raw {type(e).__name__}: {e}"
+    results.append({
+        "name": name,
+        "outcome": f"exit {code}",
+        "message": err.getvalue()[-3000:],
+        "stdout": out.getvalue()[-3000:],
+        "seconds": time.monotonic() - start,
+        "memory": 0,
     })
 
 exec(compile(sys.stdin.read(), "<attack>", "exec"))
@@ -137,6 +161,15 @@ def assert_cli_refuses(proc: subprocess.CompletedProcess[str], codes: tuple[int,
     assert proc.returncode in codes, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+
+
+def assert_cli_refused(r: dict[str, Any], codes: tuple[int, ...] = (1, 2)) -> None:
+    """A :func:`run_calls` ``cli(...)`` result: exit 1 or 2, one ``error:`` line, no traceback."""
+    lines = [line for line in r["message"].splitlines() if line.strip()]
+    assert r["outcome"] in {f"exit {c}" for c in codes}, (r["name"], r["outcome"], r["message"])
+    assert "Traceback" not in r["message"], r["message"]
+    assert len(lines) == 1 and lines[0].startswith("error: "), (r["name"], r["message"])
+    assert r["seconds"] < CALL_SECONDS, (r["name"], r["seconds"])
 
 
 def save_small(path: Path, **saver: Any) -> dict[str, Any]:

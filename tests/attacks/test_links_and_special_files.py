@@ -21,6 +21,7 @@ from .foreign import FOREIGN, make_dcp, make_hf
 from .harness import (
     N_READERS,
     READERS,
+    assert_cli_refused,
     assert_cli_refuses,
     assert_refused,
     run_calls,
@@ -133,7 +134,11 @@ def test_our_readers_refuse_links_and_special_files(tmp_path: Path) -> None:
         plant(root / name)
         roots[label] = root
     code = READERS + "".join(f"every_reader({str(r)!r}, {label + ': '!r})\n" for label, r in roots.items())
+    code += "".join(f"cli({c!r}, {c!r}, {str(roots['fifo manifest'])!r})\n" for c in ("verify", "inspect"))
     results = run_calls(code, outside)
+    for r in results[-2:]:
+        assert_cli_refused(r)
+    results = results[:-2]
     # load_metadata reads the manifest only: with the data file replaced it succeeds
     data_cases = ("data -> outside", "fifo data", "data dir -> outside")
     ok = [r for r in results if r["name"].startswith(data_cases) and r["name"].endswith(": load_metadata")]
@@ -141,5 +146,3 @@ def test_our_readers_refuse_links_and_special_files(tmp_path: Path) -> None:
     # common state lives in the data file too, so every other reader refuses
     rest = [r for r in results if r not in ok]
     assert_refused(rest, N_READERS * len(cases) - 3)
-    for command in ("verify", "inspect"):
-        assert_cli_refuses(run_cli(command, str(roots["fifo manifest"])))

@@ -23,7 +23,7 @@ import torch
 from .foreign import FOREIGN, make_dcp, make_hf, torch_bytes
 from .harness import (
     READERS,
-    assert_cli_refuses,
+    assert_cli_refused,
     assert_refused,
     run_calls,
     run_cli,
@@ -230,10 +230,17 @@ def test_cli_on_damaged_checkpoints(tmp_path: Path) -> None:
     import os
 
     os.mkfifo(fifo / "manifest.json")
-    for command in ("verify", "inspect"):
-        assert_cli_refuses(run_cli(command, str(huge)))
+    code = f"""
+cli("verify", "verify", {str(huge)!r})
+cli("inspect", "inspect", {str(huge)!r})
+"""
+    results = run_calls(code, tmp_path / "outside")
+    for r in results:
+        assert_cli_refused(r)
+    # a valid checkpoint whose key holds a lone surrogate: printed escaped, to a real stdout
     proc = run_cli("inspect", str(surrogate))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "w\\udcff" in proc.stdout, proc.stdout
     proc = run_cli("ls", str(root))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "step-100" in proc.stdout and "committed" in proc.stdout, proc.stdout
