@@ -27,14 +27,13 @@ from typing import Any
 
 import pytest
 import torch
+from attacks.foreign import make_dcp, make_hf, torch_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_fuzz import opened_paths
 
 from shardsafe import CheckpointError
 from shardsafe.convert import open_source
-
-from attacks.foreign import make_dcp, make_hf, torch_bytes
-from test_fuzz import opened_paths
 
 CALL_BUDGET = 10.0
 MEMORY_BUDGET = 256 << 20
@@ -156,11 +155,17 @@ ENTRY = st.fixed_dictionaries(
 
 @SETTINGS
 @given(
-    header=st.dictionaries(st.text(max_size=8), ENTRY | HOSTILE.map(lambda v: v if not isinstance(v, torch.Size) else list(v)), max_size=4),
+    header=st.dictionaries(
+        st.text(max_size=8),
+        ENTRY | HOSTILE.map(lambda v: v if not isinstance(v, torch.Size) else list(v)),
+        max_size=4,
+    ),
     body=st.binary(max_size=256),
     declared=st.none() | st.integers(0, 2**64 - 1),
 )
-def test_safetensors_headers(pristine: Path, header: dict, body: bytes, declared: int | None) -> None:
+def test_safetensors_headers(
+    pristine: Path, header: dict, body: bytes, declared: int | None
+) -> None:
     path = _fresh(pristine, "hf") / "model-00001-of-00002.safetensors"
     text = json.dumps(header, allow_nan=True).encode()
     length = len(text) if declared is None else declared
@@ -173,7 +178,15 @@ def test_safetensors_headers(pristine: Path, header: dict, body: bytes, declared
     weight_map=st.dictionaries(
         st.sampled_from(["a", "b", "c"]) | st.text(max_size=5),
         st.sampled_from(
-            ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "../hf/x", "\0", "", ".", "missing.safetensors"]
+            [
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "../hf/x",
+                "\0",
+                "",
+                ".",
+                "missing.safetensors",
+            ]
         )
         | HOSTILE.filter(lambda v: not isinstance(v, torch.Size)),
         max_size=4,
@@ -198,7 +211,9 @@ def test_torch_save_archives(pristine: Path, data: st.DataObject) -> None:
     for _ in range(data.draw(st.integers(1, 6))):
         if raw:
             raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
-    records[name] = bytes(raw[: data.draw(st.integers(0, len(raw)))] if data.draw(st.booleans()) else raw)
+    records[name] = bytes(
+        raw[: data.draw(st.integers(0, len(raw)))] if data.draw(st.booleans()) else raw
+    )
     method = data.draw(st.sampled_from([zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED]))
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", method) as zf:

@@ -199,7 +199,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 state = "uncommitted"
         else:
             state = "uncommitted"
-            size = sum(_size_or_zero(root, f"{name}/data/{f}") for f in root.list_dir(f"{name}/data"))
+            size = sum(
+                _size_or_zero(root, f"{name}/data/{f}") for f in root.list_dir(f"{name}/data")
+            )
         match = re.search(r"(\d+)$", name.split(TMP_MARK)[0].split(OLD_MARK)[0])
         age = ""
         try:

@@ -9,7 +9,6 @@ a bounded scratch buffer. Every block read is verified against its checksum.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence

@@ -8,6 +8,7 @@ checkpoint directory.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -329,7 +330,7 @@ class _Parser:
         ]
         runs += [(e.file, e.byte_offset, e.nbytes, f"blob {bid!r}") for bid, e in blobs.items()]
         runs = sorted((r for r in runs if r[2] > 0), key=lambda r: (r[0], r[1]))
-        for (fa, oa, na, wa), (fb, ob, _, wb) in zip(runs, runs[1:]):
+        for (fa, oa, na, wa), (fb, ob, _, wb) in itertools.pairwise(runs):
             if fa == fb and oa + na > ob:
                 raise self.bad(
                     wb,
@@ -343,7 +344,9 @@ class _Parser:
         """Every blob an encoded value names exists and is named once, so what decoding
         allocates is bounded by the bytes of the data files."""
         seen: dict[str, str] = {}
-        roots = [("common state", common)] + [(f"object {k!r}", o.value) for k, o in objects.items()]
+        roots = [("common state", common)] + [
+            (f"object {k!r}", o.value) for k, o in objects.items()
+        ]
         for ctx, root in roots:
             stack = [root]
             while stack:

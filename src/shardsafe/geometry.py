@@ -192,7 +192,9 @@ def find_overlap(boxes: Sequence[Box], budget: int | None = None) -> tuple[int, 
             continue
         if m <= 8:
             for x in range(m):
-                inter = (np.maximum(glo[x], glo[x + 1 :]) < np.minimum(ghi[x], ghi[x + 1 :])).all(axis=1)
+                inter = (np.maximum(glo[x], glo[x + 1 :]) < np.minimum(ghi[x], ghi[x + 1 :])).all(
+                    axis=1
+                )
                 if inter.any():
                     y = x + 1 + int(np.argmax(inter))
                     a, b = int(idx[x]), int(idx[y])

@@ -60,9 +60,10 @@ def deflated(archive: bytes, *, inflate_to: int = 0) -> bytes:
     import zipfile
 
     out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(
-        out, "w", zipfile.ZIP_DEFLATED
-    ) as dst:
+    with (
+        zipfile.ZipFile(io.BytesIO(archive)) as src,
+        zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst,
+    ):
         bombed = False
         for info in src.infolist():
             name = info.filename

@@ -155,7 +155,9 @@ def run_cli(
     )
 
 
-def assert_cli_refuses(proc: subprocess.CompletedProcess[str], codes: tuple[int, ...] = (1, 2)) -> None:
+def assert_cli_refuses(
+    proc: subprocess.CompletedProcess[str], codes: tuple[int, ...] = (1, 2)
+) -> None:
     """Exit 1 or 2 with one line on stderr, starting ``error:``, and no traceback."""
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode in codes, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])

@@ -73,8 +73,9 @@ def test_checksum_count_must_match_the_blocks(tmp_path: Path) -> None:
         path = tmp_path / f"c{i}"
         doc = save_small(path, block_bytes=64)
         doc["tensors"]["w"]["pieces"][0]["checksums"] = (
-            doc["tensors"]["w"]["pieces"][0]["checksums"][:-1] if not cut else
-            doc["tensors"]["w"]["pieces"][0]["checksums"] + cut
+            doc["tensors"]["w"]["pieces"][0]["checksums"][:-1]
+            if not cut
+            else doc["tensors"]["w"]["pieces"][0]["checksums"] + cut
         )
         write_manifest(path, doc)
         paths.append(path)

@@ -58,11 +58,15 @@ def test_deflated_archives_are_refused_everywhere(tmp_path: Path) -> None:
     make_dcp(tmp_path / "mcore", megatron=True)
     (tmp_path / "mcore" / "common.pt").write_bytes(bomb)
     (tmp_path / "bomb.pt").write_bytes(bomb)
-    code = READERS + FOREIGN + f"""
+    code = (
+        READERS
+        + FOREIGN
+        + f"""
 every_reader({str(tmp_path / "ours")!r}, "ours: ")
 for label in ("dcp", "mcore", "bomb.pt"):
     read_foreign({str(tmp_path)!r} + "/" + label, label + ": ")
 """
+    )
     results = run_calls(code, tmp_path / "outside")
     ours = {r["name"]: r for r in results[:N_READERS]}
     # readers that never decode the common state have nothing to refuse
@@ -73,7 +77,9 @@ for label in ("dcp", "mcore", "bomb.pt"):
     assert "verify says OK" in ours.pop("ours: verify")["message"]
     assert_refused(list(ours.values()), N_READERS - 3, match="compressed")
     assert_refused(results[N_READERS:], 3, match="compressed")
-    assert_cli_refuses(run_cli("convert", str(tmp_path / "bomb.pt"), str(tmp_path / "o"), "--to", "shardsafe"))
+    assert_cli_refuses(
+        run_cli("convert", str(tmp_path / "bomb.pt"), str(tmp_path / "o"), "--to", "shardsafe")
+    )
 
 
 def test_records_claiming_more_than_the_archive_are_refused(tmp_path: Path) -> None:

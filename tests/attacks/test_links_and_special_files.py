@@ -99,8 +99,14 @@ def test_foreign_readers_refuse_links_and_special_files(tmp_path: Path) -> None:
                 (root / ".metadata").rename(root / "__0.metadata")
         plant(root / name)
         roots[label] = root
-    code = FOREIGN + "".join(f"read_foreign({str(r)!r}, {label + ': '!r})\n" for label, r in roots.items())
-    controls = [make_dcp(tmp_path / "ok-dcp"), make_dcp(tmp_path / "ok-mcore", megatron=True), make_hf(tmp_path / "ok-hf")]
+    code = FOREIGN + "".join(
+        f"read_foreign({str(r)!r}, {label + ': '!r})\n" for label, r in roots.items()
+    )
+    controls = [
+        make_dcp(tmp_path / "ok-dcp"),
+        make_dcp(tmp_path / "ok-mcore", megatron=True),
+        make_hf(tmp_path / "ok-hf"),
+    ]
     code += "".join(f"read_foreign({str(r)!r}, 'control: ')\n" for r in controls)
     results = run_calls(code, outside)
     assert [r["outcome"] for r in results[len(cases) :]] == ["ok"] * 3, results[len(cases) :]
@@ -123,9 +129,15 @@ def test_our_readers_refuse_links_and_special_files(tmp_path: Path) -> None:
         "manifest -> outside": ("manifest.json", _link(outside / "theirs" / "manifest.json")),
         "manifest -> /dev/zero": ("manifest.json", _link("/dev/zero")),
         "fifo manifest": ("manifest.json", _fifo),
-        "data -> outside": ("data", _each(lambda f: _link(outside / "theirs" / "data" / f.name)(f))),
+        "data -> outside": (
+            "data",
+            _each(lambda f: _link(outside / "theirs" / "data" / f.name)(f)),
+        ),
         "fifo data": ("data", _each(_fifo)),
-        "data dir -> outside": ("data", lambda p: (shutil.rmtree(p), p.symlink_to(outside / "theirs" / "data"))),
+        "data dir -> outside": (
+            "data",
+            lambda p: (shutil.rmtree(p), p.symlink_to(outside / "theirs" / "data")),
+        ),
     }
     roots = {}
     for i, (label, (name, plant)) in enumerate(cases.items()):
@@ -133,15 +145,23 @@ def test_our_readers_refuse_links_and_special_files(tmp_path: Path) -> None:
         save_small(root)
         plant(root / name)
         roots[label] = root
-    code = READERS + "".join(f"every_reader({str(r)!r}, {label + ': '!r})\n" for label, r in roots.items())
-    code += "".join(f"cli({c!r}, {c!r}, {str(roots['fifo manifest'])!r})\n" for c in ("verify", "inspect"))
+    code = READERS + "".join(
+        f"every_reader({str(r)!r}, {label + ': '!r})\n" for label, r in roots.items()
+    )
+    code += "".join(
+        f"cli({c!r}, {c!r}, {str(roots['fifo manifest'])!r})\n" for c in ("verify", "inspect")
+    )
     results = run_calls(code, outside)
     for r in results[-2:]:
         assert_cli_refused(r)
     results = results[:-2]
     # load_metadata reads the manifest only: with the data file replaced it succeeds
     data_cases = ("data -> outside", "fifo data", "data dir -> outside")
-    ok = [r for r in results if r["name"].startswith(data_cases) and r["name"].endswith(": load_metadata")]
+    ok = [
+        r
+        for r in results
+        if r["name"].startswith(data_cases) and r["name"].endswith(": load_metadata")
+    ]
     assert len(ok) == 3 and all(r["outcome"] == "ok" for r in ok)
     # common state lives in the data file too, so every other reader refuses
     rest = [r for r in results if r not in ok]

@@ -65,7 +65,9 @@ def _odd_index_offset(meta: Any) -> None:
     meta.storage_data[odd] = info
 
 
-def _sizes(value: list[Any], chunks: list[tuple[list[Any], list[Any]]] | None = None) -> Callable[[Any], None]:
+def _sizes(
+    value: list[Any], chunks: list[tuple[list[Any], list[Any]]] | None = None
+) -> Callable[[Any], None]:
     def change(meta: Any) -> None:
         entry = meta.state_dict_metadata["w"]
         entry.size = value
@@ -89,7 +91,9 @@ def _int_key(meta: Any) -> None:
 DCP_CASES: dict[str, Callable[[Any], None]] = {
     "index offset=5": _odd_index_offset,
     "size inf": _sizes([float("inf"), 6]),
-    "offset inf": lambda m: setattr(m.state_dict_metadata["w"].chunks[0], "offsets", [float("inf"), 0]),
+    "offset inf": lambda m: setattr(
+        m.state_dict_metadata["w"].chunks[0], "offsets", [float("inf"), 0]
+    ),
     "NUL in path": lambda m: _set_info(m, "w", relative_path="__0_0\0.distcp"),
     "non-descriptor transform": lambda m: _set_info(m, "n", transform_descriptors=[5]),
     "sizes [2**40, 1]": _sizes([2**40, 1], [([0, 0], [2**39, 1]), ([2**39, 0], [2**39, 1])]),
@@ -116,7 +120,9 @@ def test_dcp_metadata_with_odd_values(tmp_path: Path) -> None:
 
 
 ENCODED: dict[str, Any] = {
-    "$tensor [0, 2**62, 2**62]": {"$tensor": {"dtype": "float32", "shape": [0, 2**62, 2**62], "blob": "B"}},
+    "$tensor [0, 2**62, 2**62]": {
+        "$tensor": {"dtype": "float32", "shape": [0, 2**62, 2**62], "blob": "B"}
+    },
     "$tensor [2**61, 2**61]": {"$tensor": {"dtype": "uint8", "shape": [2**61, 2**61], "blob": "B"}},
     "$ndarray [0, 10**20]": {"$ndarray": {"dtype": "<f4", "shape": [0, 10**20], "blob": "B"}},
     "$ndarray [0]*100": {"$ndarray": {"dtype": "<f4", "shape": [0] * 100, "blob": "B"}},
@@ -158,10 +164,27 @@ def test_safetensors_and_torch_files_with_odd_values(tmp_path: Path) -> None:
 
     _safetensors(add("deep.safetensors"), b"[" * DEEP + b"]" * DEEP)
     _safetensors(add("deep-object.safetensors"), b'{"a":' * 5000 + b"1" + b"}" * 5000)
-    _safetensors(add("negative.safetensors"), json.dumps({"a": {"dtype": "F32", "shape": [-1, -4], "data_offsets": [0, 16]}}).encode(), bytes(16))
-    _safetensors(add("float-shape.safetensors"), json.dumps({"a": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}).encode(), bytes(4))
-    _safetensors(add("huge-offsets.safetensors"), json.dumps({"a": {"dtype": "U8", "shape": [10**30], "data_offsets": [0, 10**30]}}).encode())
-    _safetensors(add("metadata-list.safetensors"), json.dumps({"__metadata__": [1], "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}).encode(), b"x")
+    _safetensors(
+        add("negative.safetensors"),
+        json.dumps({"a": {"dtype": "F32", "shape": [-1, -4], "data_offsets": [0, 16]}}).encode(),
+        bytes(16),
+    )
+    _safetensors(
+        add("float-shape.safetensors"),
+        json.dumps({"a": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}).encode(),
+        bytes(4),
+    )
+    _safetensors(
+        add("huge-offsets.safetensors"),
+        json.dumps({"a": {"dtype": "U8", "shape": [10**30], "data_offsets": [0, 10**30]}}).encode(),
+    )
+    _safetensors(
+        add("metadata-list.safetensors"),
+        json.dumps(
+            {"__metadata__": [1], "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}
+        ).encode(),
+        b"x",
+    )
     hf = make_hf(tmp_path / "hf-deep-index")
     (hf / "model.safetensors.index.json").write_text("[" * DEEP + "]" * DEEP)
     files.append(hf)
@@ -179,8 +202,12 @@ def test_safetensors_and_torch_files_with_odd_values(tmp_path: Path) -> None:
     add("not-a-zip.pt").write_bytes(b"junk" + zipped[-22:])  # is_zipfile accepts, ZipFile rejects
     add("meta.pt").write_bytes(torch_bytes({"a": torch.empty(10**12, device="meta")}))
     add("sparse.pt").write_bytes(torch_bytes({"a": torch.eye(3).to_sparse()}))
-    add("quantized.pt").write_bytes(torch_bytes({"a": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)}))
-    add("nested.pt").write_bytes(torch_bytes({"a": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}))
+    add("quantized.pt").write_bytes(
+        torch_bytes({"a": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)})
+    )
+    add("nested.pt").write_bytes(
+        torch_bytes({"a": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])})
+    )
     raw = torch_bytes({"a": "PLACEHOLDER"})
     add("deep-pkl.pt").write_bytes(_rezip_pickle(raw, 50_000))
     code = FOREIGN + "".join(f"read_foreign({str(f)!r}, {f.name + ': '!r})\n" for f in files)
@@ -198,7 +225,10 @@ def _rezip_pickle(archive: bytes, depth: int) -> bytes:
             data = src.read(info)
             if info.filename.endswith("data.pkl"):
                 marker = b"PLACEHOLDER"
-                for opcode in (b"X" + struct.pack("<I", len(marker)) + marker, b"\x8c" + bytes([len(marker)]) + marker):
+                for opcode in (
+                    b"X" + struct.pack("<I", len(marker)) + marker,
+                    b"\x8c" + bytes([len(marker)]) + marker,
+                ):
                     if opcode in data:
                         data = data.replace(opcode, b"]" * depth + b"a" * (depth - 1), 1)
                         break

@@ -77,7 +77,9 @@ def test_shared_bytes_are_refused(tmp_path: Path) -> None:
     code = READERS + "".join(
         f"every_reader({str(tmp_path / label)!r}, {label + ': '!r})\n" for label in builders
     )
-    code += "".join(f"cli({c!r}, {c!r}, {str(tmp_path / 'pieces')!r})\n" for c in ("verify", "inspect"))
+    code += "".join(
+        f"cli({c!r}, {c!r}, {str(tmp_path / 'pieces')!r})\n" for c in ("verify", "inspect")
+    )
     results = run_calls(code, tmp_path / "outside")
     for r in results[-2:]:
         assert_cli_refused(r)

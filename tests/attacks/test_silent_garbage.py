@@ -47,5 +47,7 @@ def test_deflated_torch_archives_are_refused(tmp_path: Path) -> None:
     assert results[2]["outcome"] == "ok", results[2]  # the same content, stored: reads fine
     assert_refused(results[:2], 2, match="compressed")
     dst = tmp_path / "out"
-    assert_cli_refuses(run_cli("convert", str(tmp_path / "deflated.pt"), str(dst), "--to", "shardsafe"))
+    assert_cli_refuses(
+        run_cli("convert", str(tmp_path / "deflated.pt"), str(dst), "--to", "shardsafe")
+    )
     assert not dst.exists()

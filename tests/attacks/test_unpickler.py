@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import xxhash
 
 from .foreign import FOREIGN, make_dcp, torch_bytes
@@ -31,8 +30,11 @@ def _ext_pickle(marker: Path) -> bytes:
     name = str(marker).encode()
     return (
         b"\x80\x02"  # PROTO 2
-        + b"\x83" + CODE.to_bytes(2, "little")  # EXT2: the callable from the extension cache
-        + b"X" + len(name).to_bytes(4, "little") + name  # BINUNICODE
+        + b"\x83"
+        + CODE.to_bytes(2, "little")  # EXT2: the callable from the extension cache
+        + b"X"
+        + len(name).to_bytes(4, "little")
+        + name  # BINUNICODE
         + b"\x85R."  # TUPLE1, REDUCE, STOP
     )
 
@@ -42,7 +44,9 @@ def test_ext_opcodes_are_refused(tmp_path: Path) -> None:
     payload = _ext_pickle(marker)
     make_dcp(tmp_path / "dcp")
     (tmp_path / "dcp" / ".metadata").write_bytes(payload)
-    code = FOREIGN + f"""
+    code = (
+        FOREIGN
+        + f"""
 import copyreg, pickle
 copyreg.add_extension("os", "mkdir", {CODE})
 pickle.loads({_ext_pickle(tmp_path / "warmup")!r})  # fills copyreg's cache, as any use would
@@ -52,6 +56,7 @@ read_foreign({str(tmp_path / "dcp")!r}, "dcp: ")
 from shardsafe.convert.safe_pickle import load_metadata_pickle
 attempt("direct", lambda: load_metadata_pickle({payload!r}, "test"))
 """
+    )
     results = run_calls(code, tmp_path / "outside")
     assert_refused(results, 2, match="EXT2")
     assert not marker.exists(), "the extension's callable ran"
@@ -82,7 +87,10 @@ def test_torch_distributed_classes_are_refused(tmp_path: Path) -> None:
     (tmp_path / "p.pt").write_bytes(payload)
     make_dcp(tmp_path / "mcore", megatron=True)
     (tmp_path / "mcore" / "common.pt").write_bytes(payload)
-    code = READERS + FOREIGN + f"""
+    code = (
+        READERS
+        + FOREIGN
+        + f"""
 import io, torch, torch.distributed.tensor
 # the import made these loadable for any weights-only torch.load in this process ...
 torch.load(io.BytesIO({payload!r}), weights_only=True)
@@ -91,5 +99,6 @@ attempt("ours: common", lambda: shardsafe.load_common_state_dict({str(tmp_path /
 read_foreign({str(tmp_path / "p.pt")!r}, "pt: ")
 read_foreign({str(tmp_path / "mcore")!r}, "mcore: ")
 """
+    )
     results = run_calls(code, tmp_path / "outside")
     assert_refused(results, 3, match="torch.distributed")

@@ -21,8 +21,8 @@ import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError
 from ..geometry import Box, LayoutTooFragmentedError, find_overlap, first_uncovered
-from .errors import UnsupportedFormatError
 from ..storage.local import open_in, read_checked
+from .errors import UnsupportedFormatError
 from .safe_pickle import load_metadata_pickle, load_torch_payload
 from .source import Shape
 
@@ -171,7 +171,9 @@ class DcpSource:
             try:
                 stored += _natural(chunk.info.length)
             except (AttributeError, TypeError, ValueError) as e:
-                raise CorruptCheckpointError(f"{self.path}: {key!r}: malformed storage entry ({e})") from None
+                raise CorruptCheckpointError(
+                    f"{self.path}: {key!r}: malformed storage entry ({e})"
+                ) from None
         nbytes = math.prod(entry.shape) * entry.dtype.itemsize
         if nbytes > stored:  # each record holds its chunk's bytes, so this bounds the allocation
             raise CorruptCheckpointError(
@@ -235,7 +237,7 @@ class DcpSource:
                 problems.append(f"{name}: unreadable ({e})")
                 continue
             with f:
-                for block in iter(lambda: f.read(1 << 20), b""):
+                while block := f.read(1 << 20):
                     digest.update(block)
             if digest.hexdigest() != expected:
                 problems.append(f"{name}: SHA-256 mismatch")
@@ -276,9 +278,13 @@ class DcpSource:
         try:
             for index, info in storage.items():
                 offset = getattr(index, "offset", None)
-                where[(getattr(index, "fqn", ""), None if offset is None else _coords(offset))] = info
+                where[(getattr(index, "fqn", ""), None if offset is None else _coords(offset))] = (
+                    info
+                )
         except (TypeError, ValueError, OverflowError) as e:
-            raise CorruptCheckpointError(f"{file}: malformed storage index ({str(e)[:200]})") from None
+            raise CorruptCheckpointError(
+                f"{file}: malformed storage index ({str(e)[:200]})"
+            ) from None
         for key, meta in entries.items():
             if not isinstance(key, str) or "\0" in key:
                 raise CorruptCheckpointError(f"{file}: key {str(key)[:80]!r} is not a valid name")
@@ -302,7 +308,9 @@ class DcpSource:
         except (AttributeError, TypeError, ValueError, OverflowError) as e:
             raise CorruptCheckpointError(f"{file}: malformed entry for {key!r} ({e})") from e
         if any(len(o) != len(shape) or len(z) != len(shape) for o, z in pieces):
-            raise CorruptCheckpointError(f"{file}: {key!r}: a chunk's rank differs from the tensor's")
+            raise CorruptCheckpointError(
+                f"{file}: {key!r}: a chunk's rank differs from the tensor's"
+            )
         if not isinstance(dtype, torch.dtype):
             raise CorruptCheckpointError(
                 f"{file}: {key!r} has no valid dtype (a {type(dtype).__name__})"

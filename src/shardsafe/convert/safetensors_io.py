@@ -9,12 +9,13 @@ single tensor, and reading it needs no optional dependency.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -97,11 +98,14 @@ def write_safetensors(
 class SafetensorsFile:
     """The header of one safetensors file, and its tensors on request."""
 
-    def __init__(self, path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None
+    ) -> None:
         """``path`` is a file the user named, or, with ``root``, a name read from a folder
         there, opened only through the checked opener (regular, inside, no link)."""
         self.path = Path(path) if root is None else Path(root) / os.fspath(path)
-        self._root, self._name = (None, "") if root is None else (os.fspath(root), os.fspath(path))
+        self._root: str | None = None if root is None else os.fspath(root)
+        self._name = "" if root is None else os.fspath(path)
         try:
             with self._open() as f:
                 size = os.fstat(f.fileno()).st_size
@@ -169,7 +173,7 @@ class SafetensorsFile:
                 raise CorruptCheckpointError(f"{self.path}: short read for {name!r}")
         return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
 
-    def _open(self) -> BinaryIO:
+    def _open(self) -> io.BufferedReader:
         if self._root is None:
             return open_regular(self.path)
         return open_in(self._root, self._name)

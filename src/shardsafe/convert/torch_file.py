@@ -169,7 +169,9 @@ class TorchFileSource:
         try:
             flat, other = flatten_state(loaded)
         except RecursionError:
-            raise CorruptCheckpointError(f"{self.path}: values nested too deeply") from None  # ``other``: objects only a trusted load can produce
+            raise CorruptCheckpointError(
+                f"{self.path}: values nested too deeply"
+            ) from None  # ``other``: objects only a trusted load can produce
         self._tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
         self._common = {
             **{k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)},

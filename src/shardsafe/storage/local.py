@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import shutil
 import stat
@@ -187,7 +188,9 @@ def read_checked(root: str, rel: str, limit: int | None = None) -> bytes:
     try:
         if limit is not None and size > limit:
             raise PermissionError(
-                errno.EFBIG, f"refusing a file of {size} bytes (the limit is {limit})", os.path.join(root, rel)
+                errno.EFBIG,
+                f"refusing a file of {size} bytes (the limit is {limit})",
+                os.path.join(root, rel),
             )
         out = bytearray(size)
         read_fd_into(fd, 0, memoryview(out), os.path.join(root, rel))
@@ -196,19 +199,21 @@ def read_checked(root: str, rel: str, limit: int | None = None) -> bytes:
         os.close(fd)
 
 
-def open_in(root: str | os.PathLike[str], rel: str) -> BinaryIO:
+def open_in(root: str | os.PathLike[str], rel: str) -> io.BufferedReader:
     """A buffered binary file over :func:`open_checked`'s descriptor."""
     return os.fdopen(open_checked(os.fspath(root), rel)[0], "rb")
 
 
-def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+def open_regular(path: str | os.PathLike[str]) -> io.BufferedReader:
     """A file the user named (a link they give is followed), refused unless it is regular:
     a FIFO or device in its place cannot block the reader or feed it endless bytes."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise PermissionError(errno.EACCES, "refusing to read what is not a regular file", os.fspath(path))
+            raise PermissionError(
+                errno.EACCES, "refusing to read what is not a regular file", os.fspath(path)
+            )
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
