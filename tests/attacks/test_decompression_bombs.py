@@ -96,3 +96,56 @@ def test_records_claiming_more_than_the_archive_are_refused(tmp_path: Path) -> N
     check_torch_archive(io.BytesIO(raw), len(raw), "test")
     with zipfile.ZipFile(io.BytesIO(raw)) as zf:
         assert all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
+
+
+def test_stream_transforms_inflate_at_most_64_times(tmp_path: Path) -> None:
+    """A DCP record decoded through a stream transform (here a zlib one registered by the
+    test) stops being read past 64 times its stored bytes."""
+    import io
+    import zlib
+
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+
+    from shardsafe import CorruptCheckpointError
+    from shardsafe.convert import DcpSource
+
+    class Zlib(StreamTransformExtension):
+        @staticmethod
+        def registry_name() -> str:
+            return "test-zlib"
+
+        @staticmethod
+        def from_descriptor(version: str) -> Zlib:
+            return Zlib()
+
+        def get_descriptor(self) -> str:
+            return "test-zlib/1"
+
+        def transform_to(self, output):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+        def transform_from(self, input):  # type: ignore[no-untyped-def]
+            return io.BytesIO(zlib.decompress(input.read()))
+
+    registry = ExtensionRegistry()
+    registry.register(Zlib)
+    for label, value, refused in (
+        ("bomb", torch.zeros(64 << 20, dtype=torch.uint8), True),
+        ("fine", torch.arange(100), False),
+    ):
+        path = make_dcp(tmp_path / label)
+        record = zlib.compress(torch_bytes(value), 9)
+        retarget_dcp_object(path, "n", "__z.distcp", record)
+        import pickle
+
+        meta = pickle.loads((path / ".metadata").read_bytes())
+        for index, info in meta.storage_data.items():
+            if index.fqn == "n":
+                info.transform_descriptors = ["test-zlib/1"]
+        (path / ".metadata").write_bytes(pickle.dumps(meta))
+        source = DcpSource(path, extension_registry=registry)
+        if refused:
+            with pytest.raises(CorruptCheckpointError, match="64 times"):
+                source.common()
+        else:
+            assert torch.equal(source.common()["n"], value)
