@@ -199,6 +199,7 @@ def _readers(path):
     st = shardsafe.ShardedTensor.from_rank_offsets
     yield "load", lambda: shardsafe.load({"w": st("w", torch.zeros(8, 8))}, path)
     yield "load_metadata", lambda: shardsafe.load_metadata(path)
+    yield "load_content_metadata", lambda: shardsafe.load_content_metadata(path)
     yield "read_tensor", lambda: shardsafe.CheckpointReader(path).read_tensor("w")
     yield "common", lambda: shardsafe.CheckpointReader(path).common()
     yield "load_plain_tensors", lambda: shardsafe.load_plain_tensors(path)
@@ -214,4 +215,4 @@ def every_reader(path, label=""):
         attempt(f"{label}{name}", fn)
 """
 """Driver code: ``every_reader(path)`` attempts each public reader of our format on ``path``."""
-N_READERS = 7
+N_READERS = 8

@@ -89,7 +89,7 @@ def test_sparse_files_are_refused(tmp_path: Path) -> None:
     assert_refused(results[:N_READERS], N_READERS, match="manifest.json")
     # readers that never touch the hole succeed; load refuses the [8, 8] request's shape first
     rest = {r["name"]: r for r in results[N_READERS:]}
-    for name in ("load_metadata", "common", "load_common_state_dict"):
+    for name in ("load_metadata", "load_content_metadata", "common", "load_common_state_dict"):
         assert rest.pop(f"data: {name}")["outcome"] == "ok"
     assert_refused([rest.pop("data: load")], 1, match="global shape")
     assert_refused(list(rest.values()), 3, match="sparse")
