@@ -17,6 +17,7 @@ from shardsafe.format import MAX_BLOCK_BYTES
 from .harness import (
     N_READERS,
     READERS,
+    assert_cli_refused,
     assert_cli_refuses,
     assert_refused,
     run_calls,
@@ -55,32 +56,35 @@ def _variants(tmp_path: Path) -> dict[str, Path]:
     return out
 
 
-def test_block_bytes_cannot_disable_checksums(tmp_path: Path) -> None:
-    paths = _variants(tmp_path)
-    code = READERS + "".join(
-        f"every_reader({str(p)!r}, {label + ': '!r})\n" for label, p in paths.items()
-    )
-    results = run_calls(code, tmp_path / "outside")
-    assert_refused(results, N_READERS * len(paths), match="block_bytes")
-    proc = run_cli("verify", str(paths["huge"]))
-    assert_cli_refuses(proc)
-
-
-def test_checksum_count_must_match_the_blocks(tmp_path: Path) -> None:
-    """One checksum too few or too many for the extent is refused while parsing."""
-    paths = []
-    for i, cut in enumerate(([], ["0" * 16] * 2)):
-        path = tmp_path / f"c{i}"
+def _wrong_counts(tmp_path: Path) -> dict[str, Path]:
+    """One checksum too few, or two too many, for the extent."""
+    out = {}
+    for label, extra in (("one short", None), ("two extra", ["0" * 16] * 2)):
+        path = tmp_path / label
         doc = save_small(path, block_bytes=64)
-        doc["tensors"]["w"]["pieces"][0]["checksums"] = (
-            doc["tensors"]["w"]["pieces"][0]["checksums"][:-1]
-            if not cut
-            else doc["tensors"]["w"]["pieces"][0]["checksums"] + cut
+        piece = doc["tensors"]["w"]["pieces"][0]
+        piece["checksums"] = (
+            piece["checksums"][:-1] if extra is None else piece["checksums"] + extra
         )
         write_manifest(path, doc)
-        paths.append(path)
-    code = READERS + "".join(f"every_reader({str(p)!r})\n" for p in paths)
-    assert_refused(run_calls(code, tmp_path / "outside"), N_READERS * 2, match="checksums")
+        out[label] = path
+    return out
+
+
+def test_block_bytes_cannot_disable_checksums(tmp_path: Path) -> None:
+    paths = _variants(tmp_path)
+    counts = _wrong_counts(tmp_path)
+    code = READERS + "".join(
+        f"every_reader({str(p)!r}, {label + ': '!r})\n" for label, p in {**paths, **counts}.items()
+    )
+    code += f"cli('verify', 'verify', {str(paths['huge'])!r})\n"
+    results = run_calls(code, tmp_path / "outside")
+    assert_cli_refused(results.pop())
+    n = N_READERS * len(paths)
+    assert_refused(results[:n], n, match="block_bytes")
+    assert_refused(results[n:], N_READERS * len(counts), match="checksums")
+    proc = run_cli("verify", str(paths["huge"]))  # the real command, in its own process
+    assert_cli_refuses(proc)
 
 
 def test_partial_block_coverage_is_refused_structurally() -> None:

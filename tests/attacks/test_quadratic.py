@@ -64,28 +64,25 @@ def test_100k_pieces_validate_in_seconds(tmp_path: Path) -> None:
     code = f"""
     import torch
     good, bad = {str(tmp_path / "good")!r}, {str(tmp_path / "bad")!r}
+    readers = {{}}
     def check(path):
-        r = shardsafe.CheckpointReader(path)
+        r = readers[path] = shardsafe.CheckpointReader(path)
         r.manifest.tensors["w"].check_tiling("w", "manifest.json")
     def verify(path):
-        report = shardsafe.CheckpointReader(path).verify()
+        report = readers[path].verify()
         assert report.ok, report.problems[:3]
-    def read(path):
-        t = shardsafe.CheckpointReader(path).read_tensor("w")
-        assert t.shape == (7, {PIECES})
-    attempt("good: tiling", lambda: check(good))
+    attempt("good: parse and tiling", lambda: check(good))
     attempt("good: verify", lambda: verify(good))
-    attempt("bad: tiling", lambda: check(bad))
-    attempt("bad: read_tensor", lambda: read(bad))
+    attempt("bad: parse and tiling", lambda: check(bad))
     """
     results = {r["name"]: r for r in run_calls(code, tmp_path / "outside", timeout=280)}
-    assert len(results) == 4
+    assert len(results) == 3
     for name, r in results.items():
         expected = "ok" if name.startswith("good") else "CheckpointError"
         assert r["outcome"] == expected, (name, r["message"])
         assert r["seconds"] < BOUND, (name, r["seconds"])
         assert r["memory"] < 512 << 20, (name, r["memory"])
-    assert "overlap" in results["bad: tiling"]["message"]
+    assert "overlap" in results["bad: parse and tiling"]["message"]
 
 
 @pytest.mark.parametrize(
