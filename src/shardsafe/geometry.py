@@ -302,6 +302,8 @@ def boxes_disjoint(offsets: Any, ends: Any, max_cells: int = 1 << 21) -> bool | 
         return True
     if ndim == 0:
         return False
+    if ndim > 8:  # the corner loop below runs 2**ndim times
+        return None
     cuts = [np.unique(np.concatenate([offsets[:, a], ends[:, a]])) for a in range(ndim)]
     if math.prod(len(c) for c in cuts) > max_cells:
         return None
