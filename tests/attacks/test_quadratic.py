@@ -129,3 +129,30 @@ def test_work_stops_at_the_budget() -> None:
     with pytest.raises(LayoutTooFragmentedError):
         find_overlap(boxes, budget=len(boxes))
     assert find_overlap(boxes) is None
+
+
+def test_scratch_buffer_stays_bounded(tmp_path: Path) -> None:
+    """A resharding read through the scratch buffer holds at most ``max_buffer`` plus two
+    checksum blocks (``block_bytes`` is at most 64 MiB), whatever the pieces' sizes."""
+    import torch
+
+    import shardsafe
+    from shardsafe.engine import DataReader, plan_reads, run_tasks
+    from shardsafe.geometry import Box
+
+    block, max_buffer = 64 << 10, 8 << 10
+    value = torch.arange(512 * 512, dtype=torch.float32).reshape(512, 512)
+    shardsafe.Saver(block_bytes=block).save(
+        {"w": shardsafe.ShardedTensor.from_rank_offsets("w", value)}, tmp_path / "c"
+    )
+    reader = shardsafe.CheckpointReader(tmp_path / "c")
+    entry = reader.manifest.tensors["w"]
+    out = torch.zeros(512, 3)  # three columns: every row is a separate, unaligned region
+    tasks, covered = plan_reads(
+        "w", entry.pieces, [(Box((0, 100), (512, 3)), out)], torch.float32, max_buffer // 4
+    )
+    assert covered == out.numel()
+    data = DataReader(reader.storage, block, max_buffer)
+    run_tasks(data, tasks, threads=1)
+    assert torch.equal(out, value[:, 100:103])
+    assert data._local.buf.nbytes <= max(max_buffer + 2 * block, 1 << 16)
