@@ -695,15 +695,17 @@ def test_sizes_claimed_beyond_the_files_allocate_nothing(env: Env) -> None:
     """A manifest claiming a 1 TB tensor and a 1 TB blob in a small file: every reader refuses
     before allocating for them (the claims are checked against the files' real sizes)."""
     env.fresh()
-    name, huge = env.data_files[0], 10**12
-    extent = {"file": name, "byte_offset": 0, "nbytes": huge, "checksums": ["0" * 16]}
+    (name, other), huge = env.data_files[:2], 10**12
+    block = 64 << 20  # the largest block_bytes allowed
+    sums = ["0" * 16] * -(-huge // block)
+    extent = {"file": name, "byte_offset": 0, "nbytes": huge, "checksums": sums}
     doc = copy.deepcopy(env.manifest)
-    doc["checksum"]["block_bytes"] = 2**40  # one checksum per extent
-    doc["files"] = {name: {"nbytes": huge, "rank": 0}}
+    doc["checksum"]["block_bytes"] = block
+    doc["files"] = {name: {"nbytes": huge, "rank": 0}, other: {"nbytes": huge, "rank": 0}}
     piece = {"offset": [0], "shape": [huge], "flat": None, **extent}
     doc["tensors"] = {"big": {"dtype": "uint8", "shape": [huge], "pieces": [piece]}}
     doc["objects"] = {}
-    doc["blobs"] = {"c.0": extent}
+    doc["blobs"] = {"c.0": dict(extent, file=other)}
     doc["common"] = {"$bytes": "c.0"}
     env.write_manifest(doc)
     reader = CheckpointReader(env.work)

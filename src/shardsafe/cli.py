@@ -209,7 +209,8 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .format import MANIFEST_NAME, Manifest
+    from .errors import CorruptCheckpointError
+    from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
     from .location import LOCK_SUFFIX, OLD_MARK, TMP_MARK
     from .storage import storage_for
 
@@ -231,17 +232,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
         state, size, created = "committed", 0, None
         if root.exists(f"{name}/{MANIFEST_NAME}"):
             try:
+                if root.size(f"{name}/{MANIFEST_NAME}") > MAX_MANIFEST_BYTES:
+                    raise CorruptCheckpointError(f"{name}/{MANIFEST_NAME} is too large")
                 m = Manifest.loads(
                     root.read_bytes(f"{name}/{MANIFEST_NAME}"), f"{name}/{MANIFEST_NAME}"
                 )
                 size, created = m.total_bytes, m.created
-            except CheckpointError:
+            except (CheckpointError, OSError):  # one bad checkpoint does not hide the others
                 state = "corrupt"
             if hidden:
                 state = "uncommitted"
         else:
             state = "uncommitted"
-            size = sum(root.size(f"{name}/data/{f}") for f in root.list_dir(f"{name}/data"))
+            size = sum(
+                _size_or_zero(root, f"{name}/data/{f}") for f in root.list_dir(f"{name}/data")
+            )
         match = re.search(r"(\d+)$", name.split(TMP_MARK)[0].split(OLD_MARK)[0])
         age = ""
         try:
@@ -394,7 +399,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _size_or_zero(root: Any, rel: str) -> int:
+    """The size of a regular file, 0 for a link, FIFO, loop or anything unreadable."""
+    try:
+        return int(root.size(rel))
+    except (OSError, CheckpointError):
+        return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # keys from a file may hold lone surrogates
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

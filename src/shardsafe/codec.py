@@ -17,9 +17,10 @@ import io
 import math
 import pickle
 import re
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
@@ -207,7 +208,10 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
                 raise bad(
                     f"ndarray blob holds {len(raw)} bytes, expected {math.prod(shape) * dt.itemsize}"
                 )
-            return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+            try:
+                return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+            except (ValueError, OverflowError, MemoryError) as e:
+                raise bad(f"bad ndarray shape {list(shape)[:8]}: {e}") from None
         if tag == "$npscalar":
             dt = _numpy_dtype(_field(body, "dtype", str, where), where)
             if dt.kind not in "biufc":  # what encode writes; np.void(n) would allocate n bytes
@@ -223,14 +227,19 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
         if tag == "$dtype":
             return dtype_from_name(body, where)
         if tag == "$device":
+            if not isinstance(body, str) or len(body) > 64:
+                raise bad(f"bad device {str(body)[:80]!r}")
             try:
                 return torch.device(body)
-            except (RuntimeError, TypeError):
+            except (RuntimeError, TypeError, ValueError, OverflowError):
                 raise bad(f"bad device {body!r}") from None
         if tag == "$size":
             if not isinstance(body, list) or not all(type(v) is int for v in body):
                 raise bad("malformed $size")
-            return torch.Size(body)
+            try:
+                return torch.Size(body)
+            except (RuntimeError, TypeError, ValueError, OverflowError):
+                raise bad(f"bad $size {str(body)[:80]}") from None
         if tag == "$namespace":
             d = dec(body)
             if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
@@ -238,6 +247,7 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
             return argparse.Namespace(**d)
         if tag == "$torch_save":
             pickled_bytes = bytes(fetch(_field(body, "blob", str, where)))
+            check_torch_archive(io.BytesIO(pickled_bytes), len(pickled_bytes), where)
             try:
                 return torch.load(io.BytesIO(pickled_bytes), weights_only=True, map_location="cpu")
             except pickle.UnpicklingError as e:
@@ -276,6 +286,80 @@ def _refusal(e: Exception) -> str:
     )
 
 
+def check_torch_archive(
+    file: IO[bytes], size: int, where: str, *, allow_legacy: bool = False
+) -> None:
+    """Refuse a ``torch.save`` archive that could inflate beyond its ``size`` bytes when loaded.
+
+    ``torch.save`` stores every record uncompressed; a deflated record (a decompression
+    bomb, or bytes torch would memory-map as if they were data) is refused, and so is any
+    archive whose records claim more bytes than the archive holds. Legacy (non-zip)
+    ``torch.save`` files are refused unless ``allow_legacy``: their storages are sized by
+    the pickle (torch then reads them from the file, so a short file fails the load).
+    """
+    head = file.read(4)
+    file.seek(0)
+    if allow_legacy and head[:1] == b"\x80":  # a legacy pickle stream: no archive to inflate
+        return
+    try:
+        with zipfile.ZipFile(file) as zf:
+            infos = zf.infolist()
+    except Exception as e:  # zipfile raises BadZipFile, ValueError, OSError, struct.error...
+        raise CorruptCheckpointError(
+            f"{where}: refused: not a torch.save zip archive ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+    total = 0
+    pickles = []
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise CorruptCheckpointError(
+                f"{where}: record {info.filename[:100]!r} is compressed "
+                f"({info.compress_size} bytes inflating to {info.file_size}); torch.save never "
+                "compresses, so this archive is corrupt or hostile"
+            )
+        total += info.file_size
+        if info.filename.endswith("/data.pkl") or info.filename == "data.pkl":
+            pickles.append(info)
+    if total > size:
+        raise CorruptCheckpointError(
+            f"{where}: records claim {total} bytes, more than the archive's {size}; it is corrupt"
+        )
+    for info in pickles:
+        with zipfile.ZipFile(file) as zf:
+            scan_pickle(zf.read(info), f"{where}: {info.filename[:100]}", _DISTRIBUTED)
+    file.seek(0)
+
+
+_DISTRIBUTED = ("torch.distributed",)
+"""Importing ``torch.distributed.tensor`` allow-lists ``DTensor``, ``DeviceMesh`` and the
+placement classes for every ``torch.load(weights_only=True)`` in the process; stored
+values never need them, so archives naming them are refused whatever was imported."""
+
+
+def scan_pickle(data: bytes, where: str, refused_prefixes: tuple[str, ...] = ()) -> None:
+    """Refuse a pickle with ``EXT`` opcodes or naming anything under ``refused_prefixes``.
+
+    ``EXT1/2/4`` fetch objects from the process-wide ``copyreg`` extension cache without
+    consulting an unpickler's ``find_class``: an allow-list cannot see them. The scan reads
+    opcodes only (``pickletools.genops``), so nothing is built or run.
+    """
+    import pickletools
+
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name.startswith("EXT"):
+                raise UnsafeObjectError(
+                    f"{where}: the pickle uses {op.name}, which loads from the copyreg extension "
+                    "registry and bypasses the allow-list; refused"
+                )
+            if refused_prefixes and isinstance(arg, str) and arg.startswith(refused_prefixes):
+                raise UnsafeObjectError(
+                    f"{where}: the pickle names {arg[:100]!r}, which stored values never need; refused"
+                )
+    except (ValueError, EOFError) as e:  # a damaged pickle (genops stops at STOP)
+        raise CorruptCheckpointError(f"{where}: not a readable pickle ({str(e)[:200]})") from None
+
+
 def _numpy_dtype(name: str, where: str) -> np.dtype:
     try:
         return np.dtype(name)
@@ -291,7 +375,7 @@ def _field(body: Any, name: str, kind: type, where: str) -> Any:
 
 def _shape(body: Any, where: str) -> tuple[int, ...]:
     shape = _field(body, "shape", list, where)
-    if not all(type(s) is int and s >= 0 for s in shape):
+    if len(shape) > 32 or not all(type(s) is int and 0 <= s < 1 << 62 for s in shape):
         raise CorruptCheckpointError(f"{where}: bad shape {shape!r}")
     return tuple(shape)
 
@@ -304,7 +388,12 @@ def _tensor_from_bytes(
         raise CorruptCheckpointError(
             f"{where}: tensor blob holds {len(data)} bytes, expected {nbytes}"
         )
-    out = torch.empty(shape, dtype=dtype)
+    try:
+        out = torch.empty(shape, dtype=dtype)
+    except (RuntimeError, ValueError, OverflowError, MemoryError) as e:
+        raise CorruptCheckpointError(
+            f"{where}: bad tensor shape {list(shape)[:8]}: {str(e).splitlines()[0][:200]}"
+        ) from None
     if nbytes:
         out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
     return out

@@ -9,7 +9,6 @@ a bounded scratch buffer. Every block read is verified against its checksum.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -243,14 +242,27 @@ class DataReader:
         self.bytes_read += len(out)
 
     def _verify(self, extent: Extent, start: int, data: memoryview, what: str) -> None:
-        """Check every block of ``extent`` that lies wholly in ``data`` (which starts at block-aligned ``start``)."""
+        """Check every block of ``extent`` that ``data`` (bytes from ``start`` on) spans.
+
+        ``data`` must start and end on block boundaries (or at the extent's end): no byte
+        reaches a caller without the one checksum that covers it having been compared.
+        """
         bb = self.block_bytes
+        end = start + len(data)
+        if start % bb or (end % bb and end != extent.nbytes) or end > extent.nbytes:
+            raise CorruptCheckpointError(
+                f"{what}: bytes [{start}, {end}) of {extent.file} are not whole checksum blocks "
+                f"of {bb} bytes; refusing to return bytes no checksum covers"
+            )
         first = start // bb
-        for k in range(first, first + math.ceil(len(data) / bb)):
+        if len(extent.checksums) != -(-extent.nbytes // bb):
+            raise CorruptCheckpointError(
+                f"{what}: {extent.file} has {len(extent.checksums)} block checksums for "
+                f"{extent.nbytes} bytes in blocks of {bb}; the manifest is corrupt"
+            )
+        for k in range(first, -(-end // bb)):
             lo = k * bb - start
             hi = min((k + 1) * bb, extent.nbytes) - start
-            if hi > len(data):
-                break
             if digest(data[lo:hi]) != extent.checksums[k]:
                 raise CorruptCheckpointError(
                     f"{what}: checksum mismatch in {extent.file} block {k} (bytes {extent.byte_offset + k * bb}"

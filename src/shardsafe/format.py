@@ -8,6 +8,7 @@ checkpoint directory.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -18,7 +19,7 @@ from typing import Any
 from .checksum import ALGORITHM, block_count
 from .dtypes import dtype_from_name, itemsize
 from .errors import CorruptCheckpointError
-from .geometry import Box, find_overlap, flat_range_to_boxes
+from .geometry import Box, LayoutTooFragmentedError, find_overlap, flat_range_to_boxes
 
 FORMAT_NAME = "shardsafe"
 FORMAT_VERSION = 1
@@ -29,6 +30,15 @@ SMALL_ALIGN = 64
 LARGE_ALIGN = 4096
 """... items of ``LARGE_ITEM`` bytes or more at a multiple of this (pages, for direct I/O)."""
 LARGE_ITEM = 64 << 10
+MAX_BLOCK_BYTES = 64 << 20
+"""Checksum blocks are at most this big: a reader's scratch buffer holds two of them at most."""
+MAX_MANIFEST_BYTES = 1 << 30
+"""A larger ``manifest.json`` is refused before it is read (parsing costs several times its size)."""
+MAX_INT = 1 << 62
+"""Sizes, offsets and coordinates in a manifest lie in ``[0, MAX_INT)``: sums of a few stay
+within 64 bits, and no number of 400 digits reaches arithmetic or formatting."""
+BLOB_TAGS = ("$tensor", "$ndarray", "$torch_save")
+"""Encoded-value tags whose body names a blob under ``"blob"`` (``"$bytes"`` names one directly)."""
 _FILE_NAME = re.compile(r"^data/[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
@@ -112,7 +122,12 @@ class TensorEntry:
     def check_tiling(self, key: str, where: str) -> None:
         """Refuse pieces that overlap or leave holes: a reader must never return unset memory."""
         boxes = [b for p in self.pieces for _, b in p.boxes()]
-        overlap = find_overlap(boxes)
+        try:
+            overlap = find_overlap(boxes)
+        except LayoutTooFragmentedError as e:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r}: {e}; the manifest is corrupt or was tampered with"
+            ) from None
         if overlap is not None:
             raise CorruptCheckpointError(
                 f"{where}: tensor {key!r}: stored pieces overlap ({boxes[overlap[0]]} and {boxes[overlap[1]]}); "
@@ -235,14 +250,16 @@ class _Parser:
 
     def nat(self, obj: Any, name: str, ctx: str) -> int:
         value = self.get(obj, name, int, ctx)
-        if isinstance(value, bool) or value < 0:
-            raise self.bad(ctx, f"field {name!r} must be a non-negative integer")
+        if isinstance(value, bool) or not 0 <= value < MAX_INT:
+            raise self.bad(ctx, f"field {name!r} must be a non-negative integer below 2**62")
         return int(value)
 
     def ints(self, obj: Any, name: str, ctx: str) -> tuple[int, ...]:
         value = self.get(obj, name, list, ctx)
-        if not all(type(v) is int and v >= 0 for v in value) or len(value) > 64:
-            raise self.bad(ctx, f"field {name!r} must be a list of non-negative integers")
+        if not all(type(v) is int and 0 <= v < MAX_INT for v in value) or len(value) > 64:
+            raise self.bad(
+                ctx, f"field {name!r} must be a list of at most 64 integers in [0, 2**62)"
+            )
         return tuple(value)
 
     def manifest(self, obj: Any) -> Manifest:
@@ -262,8 +279,8 @@ class _Parser:
         if checksum.get("algorithm") != ALGORITHM:
             raise self.bad("checksum", f"unknown algorithm {checksum.get('algorithm')!r}")
         block_bytes = self.nat(checksum, "block_bytes", "checksum")
-        if block_bytes < 1:
-            raise self.bad("checksum", "block_bytes must be positive")
+        if not 1 <= block_bytes <= MAX_BLOCK_BYTES:
+            raise self.bad("checksum", f"block_bytes must lie in [1, {MAX_BLOCK_BYTES}]")
         files: dict[str, FileEntry] = {}
         for name, f in self.get(obj, "files", dict, "top level").items():
             check_file_name(name, self.where)
@@ -286,6 +303,8 @@ class _Parser:
             bid: self.extent(b, f"blob {bid!r}", files, block_bytes)
             for bid, b in self.get(obj, "blobs", dict, "top level").items()
         }
+        self.check_extents_disjoint(tensors, blobs)
+        self.check_blob_references(obj.get("common"), objects, blobs)
         user = obj.get("user_metadata", {})
         return Manifest(
             world_size=self.nat(obj, "world_size", "top level"),
@@ -299,6 +318,58 @@ class _Parser:
             library_version=str(obj.get("library_version", "")),
             user_metadata=user if isinstance(user, dict) else {},
         )
+
+    def check_extents_disjoint(
+        self, tensors: Mapping[str, TensorEntry], blobs: Mapping[str, Extent]
+    ) -> None:
+        """No byte of a data file backs two pieces or blobs (sorting: ``O(n log n)``)."""
+        runs: list[tuple[str, int, int, str]] = [
+            (p.extent.file, p.extent.byte_offset, p.extent.nbytes, f"tensor {key!r} piece {i}")
+            for key, t in tensors.items()
+            for i, p in enumerate(t.pieces)
+        ]
+        runs += [(e.file, e.byte_offset, e.nbytes, f"blob {bid!r}") for bid, e in blobs.items()]
+        runs = sorted((r for r in runs if r[2] > 0), key=lambda r: (r[0], r[1]))
+        for (fa, oa, na, wa), (fb, ob, _, wb) in itertools.pairwise(runs):
+            if fa == fb and oa + na > ob:
+                raise self.bad(
+                    wb,
+                    f"its bytes in {fb} from offset {ob} are also those of {wa} "
+                    f"[{oa}, {oa + na}); stored extents must not overlap",
+                )
+
+    def check_blob_references(
+        self, common: Any, objects: Mapping[str, ObjectEntry], blobs: Mapping[str, Extent]
+    ) -> None:
+        """Every blob an encoded value names exists and is named once, so what decoding
+        allocates is bounded by the bytes of the data files."""
+        seen: dict[str, str] = {}
+        roots = [("common state", common)] + [
+            (f"object {k!r}", o.value) for k, o in objects.items()
+        ]
+        for ctx, root in roots:
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, list):
+                    stack.extend(node)
+                    continue
+                if not isinstance(node, dict):
+                    continue
+                for tag, body in node.items():
+                    ref = body if tag == "$bytes" else None
+                    if tag in BLOB_TAGS and isinstance(body, dict):
+                        ref = body.get("blob")
+                    if isinstance(ref, str):
+                        if ref not in blobs:
+                            raise self.bad(ctx, f"refers to blob {ref[:80]!r}, which is not listed")
+                        if ref in seen:
+                            raise self.bad(
+                                ctx, f"refers to blob {ref[:80]!r}, already used by {seen[ref]}"
+                            )
+                        seen[ref] = ctx
+                    else:
+                        stack.append(body)
 
     def extent(
         self, obj: Any, ctx: str, files: Mapping[str, FileEntry], block_bytes: int

@@ -142,29 +142,102 @@ def _prefix(index: int, box: Box) -> Box:
     return Box((index, *box.offset), (1, *box.shape))
 
 
-def find_overlap(boxes: Sequence[Box]) -> tuple[int, int] | None:
-    """Indices of two overlapping boxes, or None. A sweep along axis 0.
+class LayoutTooFragmentedError(ValueError):
+    """The boxes cannot be checked for overlaps within the work budget (see :func:`find_overlap`)."""
 
-    Layouts met in practice keep few boxes active at a time, so this is close to
-    ``O(n log n)``; the worst case is quadratic.
+
+def find_overlap(boxes: Sequence[Box], budget: int | None = None) -> tuple[int, int] | None:
+    """Indices of two overlapping boxes, or None.
+
+    Divide and conquer: a group of boxes whose compressed grid (see :func:`boxes_disjoint`)
+    is small is checked at once; a larger one is cut at a coordinate of one axis that the
+    fewest boxes straddle (preferring the cut nearest its middle), and a straddling box goes
+    to both sides, clipped. Layouts that sharding produces (grids, flat ranges, guillotine
+    cuts) always have a cut nothing straddles, so the work is ``O(n log² n)`` in the number
+    of boxes. Adversarial layouts could make clipped copies multiply: the number of box
+    copies handled is capped at ``budget`` (default ``64 n + 4096``), and
+    :class:`LayoutTooFragmentedError` is raised beyond it.
     """
-    if not boxes:
+    import numpy as np
+
+    if len(boxes) < 2:
         return None
     if boxes[0].ndim == 0:
-        return (0, 1) if len(boxes) > 1 else None
-    order = sorted(range(len(boxes)), key=lambda i: boxes[i].offset[0])
-    active: list[int] = []
-    for i in order:
-        box = boxes[i]
-        if box.numel == 0:
+        return (0, 1)
+    try:
+        lo = np.asarray([b.offset for b in boxes], dtype=np.int64)
+        shape = np.asarray([b.shape for b in boxes], dtype=np.int64)
+    except (OverflowError, ValueError):
+        raise LayoutTooFragmentedError("box coordinates beyond 2**63 cannot be checked") from None
+    if lo.max() >= 1 << 61 or shape.max() >= 1 << 61:
+        raise LayoutTooFragmentedError("box coordinates beyond 2**61 cannot be checked")
+    keep = (shape > 0).all(axis=1)
+    index = np.flatnonzero(keep)
+    if len(index) < 2:
+        return None
+    lo, hi = lo[keep], lo[keep] + shape[keep]
+    left = budget if budget is not None else 64 * len(index) + 4096
+    if boxes_disjoint(lo, hi, max_cells=1 << 22):
+        return None
+    stack = [(index, lo, hi, False)]
+    while stack:
+        idx, glo, ghi, try_grid = stack.pop()
+        m = len(idx)
+        left -= m
+        if left < 0:
+            raise LayoutTooFragmentedError(
+                f"{len(index)} boxes are too fragmented to check for overlaps within the work budget"
+            )
+        if m < 2:
             continue
-        start = box.offset[0]
-        active = [j for j in active if boxes[j].end[0] > start]
-        for j in active:
-            if intersect(boxes[j], box) is not None:
-                return (min(i, j), max(i, j))
-        active.append(i)
+        if m <= 8:
+            for x in range(m):
+                inter = (np.maximum(glo[x], glo[x + 1 :]) < np.minimum(ghi[x], ghi[x + 1 :])).all(
+                    axis=1
+                )
+                if inter.any():
+                    y = x + 1 + int(np.argmax(inter))
+                    a, b = int(idx[x]), int(idx[y])
+                    return (min(a, b), max(a, b))
+            continue
+        if try_grid and boxes_disjoint(glo, ghi, max_cells=max(1 << 14, 16 * m)):
+            continue
+        cut = _best_cut(glo, ghi)
+        if cut is None:  # every box spans the same range on every axis
+            a, b = int(idx[0]), int(idx[1])
+            return (min(a, b), max(a, b))
+        axis, c = cut
+        below = glo[:, axis] < c
+        above = ghi[:, axis] > c
+        blo, bhi = glo[below], ghi[below].copy()
+        np.minimum(bhi[:, axis], c, out=bhi[:, axis])
+        alo, ahi = glo[above].copy(), ghi[above]
+        np.maximum(alo[:, axis], c, out=alo[:, axis])
+        stack.append((idx[below], blo, bhi, True))
+        stack.append((idx[above], alo, ahi, True))
     return None
+
+
+def _best_cut(lo: Any, hi: Any) -> tuple[int, int] | None:
+    """``(axis, coordinate)`` strictly inside the boxes' span that the fewest of them straddle."""
+    import numpy as np
+
+    m, ndim = lo.shape
+    best: tuple[int, int, int, int] | None = None  # (straddlers, imbalance, axis, coordinate)
+    for axis in range(ndim):
+        starts = np.sort(lo[:, axis])
+        ends = np.sort(hi[:, axis])
+        cands = np.unique(starts)[1:]
+        if len(cands) == 0:
+            continue
+        before = np.searchsorted(starts, cands, side="left")
+        straddle = before - np.searchsorted(ends, cands, side="right")
+        score = straddle * (2 * m + 1) + np.abs(2 * before - m)
+        k = int(np.argmin(score))
+        cand = (int(straddle[k]), int(abs(2 * before[k] - m)), axis, int(cands[k]))
+        if best is None or cand < best:
+            best = cand
+    return None if best is None else (best[2], best[3])
 
 
 def covered_volume(boxes: Iterable[Box]) -> int:
@@ -229,6 +302,8 @@ def boxes_disjoint(offsets: Any, ends: Any, max_cells: int = 1 << 21) -> bool | 
         return True
     if ndim == 0:
         return False
+    if ndim > 8:  # the corner loop below runs 2**ndim times
+        return None
     cuts = [np.unique(np.concatenate([offsets[:, a], ends[:, a]])) for a in range(ndim)]
     if math.prod(len(c) for c in cuts) > max_cells:
         return None

@@ -29,7 +29,7 @@ from .errors import (
     IncompleteCheckpointError,
     MissingKeyError,
 )
-from .format import MANIFEST_NAME, Manifest, TensorEntry
+from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, TensorEntry
 from .geometry import Box
 from .location import TMP_MARK, Location, locate
 from .parallel_load import (
@@ -106,6 +106,12 @@ def read_manifest(path: str | os.PathLike[str]) -> tuple[Manifest, Storage]:
     loc = locate(path)
     storage = checkpoint_storage(loc)
     try:
+        size = storage.size(MANIFEST_NAME)
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(
+                f"{storage.describe(MANIFEST_NAME)} holds {size} bytes, more than the "
+                f"{MAX_MANIFEST_BYTES} a manifest may have; it is corrupt or hostile"
+            )
         raw = storage.read_bytes(MANIFEST_NAME)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise _not_found(loc, storage) from None

@@ -18,7 +18,14 @@ from typing import Any
 import numpy as np
 
 from .errors import ValidationError, describe_ranks
-from .geometry import Box, boxes_disjoint, find_overlap, first_uncovered, flat_range_to_boxes
+from .geometry import (
+    Box,
+    LayoutTooFragmentedError,
+    boxes_disjoint,
+    find_overlap,
+    first_uncovered,
+    flat_range_to_boxes,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +321,10 @@ def _check_coverage(key: str, shape: tuple[int, ...], unique: list[_Group]) -> N
         for b in p.boxes():
             boxes.append(b)
             owner.append((p, [r for r, _ in group.holders]))
-    overlap = find_overlap(boxes)
+    try:
+        overlap = find_overlap(boxes)
+    except LayoutTooFragmentedError as e:
+        raise ValidationError(f"{key!r}: {e}; save fewer, larger pieces") from None
     if overlap is not None:
         (pa, ra), (pb, rb) = owner[overlap[0]], owner[overlap[1]]
         raise ValidationError(

@@ -20,7 +20,7 @@ from .dtypes import dtype_from_name
 from .engine import DEFAULT_MAX_BUFFER, DataReader, default_threads, plan_reads, run_tasks
 from .errors import CheckpointError, CorruptCheckpointError, MissingKeyError
 from .format import MANIFEST_NAME, Manifest
-from .geometry import find_overlap, first_uncovered, full_box
+from .geometry import LayoutTooFragmentedError, find_overlap, first_uncovered, full_box
 from .loading import read_manifest
 from .sharding import ShardedObject, ShardedTensor, TensorRef
 
@@ -160,8 +160,11 @@ def verify_manifest(
     for name, entry in manifest.files.items():
         try:
             size = storage.size(name)
-        except OSError:
+        except FileNotFoundError:
             report.problems.append(f"{name}: missing")
+            continue
+        except OSError as e:
+            report.problems.append(f"{name}: unreadable ({e.strerror or e})")
             continue
         if size < entry.nbytes:
             report.problems.append(
@@ -169,7 +172,11 @@ def verify_manifest(
             )
     for key, tensor in manifest.tensors.items():
         boxes = [b for p in tensor.pieces for _, b in p.boxes()]
-        overlap = find_overlap(boxes)
+        try:
+            overlap = find_overlap(boxes)
+        except LayoutTooFragmentedError as e:
+            report.problems.append(f"tensor {key!r}: {e}")
+            continue
         if overlap is not None:
             report.problems.append(
                 f"tensor {key!r}: stored pieces overlap ({boxes[overlap[0]]} and {boxes[overlap[1]]})"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 from pathlib import Path
 from typing import IO, Any
@@ -19,7 +20,8 @@ from typing import IO, Any
 import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError
-from ..geometry import Box, find_overlap, first_uncovered
+from ..geometry import Box, LayoutTooFragmentedError, find_overlap, first_uncovered
+from ..storage.local import open_in, read_checked
 from .errors import UnsupportedFormatError
 from .safe_pickle import load_metadata_pickle, load_torch_payload
 from .source import Shape
@@ -29,6 +31,32 @@ MEGATRON_CONFIG_FILE = "metadata.json"
 MEGATRON_COMMON_FILE = "common.pt"
 INTEGRITY_FILE = "integrity.json"
 _ZIP_MAGIC = b"PK\x03\x04"
+
+
+MAX_METADATA_BYTES = 1 << 30
+"""``.metadata``, ``metadata.json`` and ``integrity.json`` larger than this are refused unread."""
+MAX_INFLATION = 64
+"""A record decoded through stream transforms may grow to this many times its stored bytes."""
+
+
+def _read_in(root: Path, name: str, limit: int = MAX_METADATA_BYTES) -> bytes:
+    """The bytes of ``root/name`` through the checked opener (regular, inside, no link)."""
+    try:
+        return read_checked(str(root), name, limit)
+    except OSError as e:
+        raise CorruptCheckpointError(f"{root / name}: unreadable ({e})") from None
+
+
+def _json_in(root: Path, name: str) -> Any:
+    try:
+        return json.loads(_read_in(root, name))
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{root / name}: not valid JSON ({str(e)[:200]})") from None
+
+
+def _present(path: Path) -> bool:
+    """Whether anything (a link included, which the checked opener then refuses) is there."""
+    return os.path.lexists(path)
 
 
 def _rank_metadata_files(path: Path) -> list[Path]:
@@ -42,7 +70,7 @@ def _rank_metadata_files(path: Path) -> list[Path]:
 def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True if ``path`` is a directory holding DCP metadata."""
     p = Path(path)
-    return p.is_dir() and ((p / METADATA_FILE).is_file() or bool(_rank_metadata_files(p)))
+    return p.is_dir() and (_present(p / METADATA_FILE) or bool(_rank_metadata_files(p)))
 
 
 class _FileSlice(io.RawIOBase):
@@ -120,7 +148,10 @@ class DcpSource:
         self._common: dict[str, Any] | None = None
         self._paths: dict[str, tuple[str | int, ...]] = {}
         for file in self._metadata_files():
-            self._index(file)
+            try:
+                self._index(file)
+            except RecursionError:  # values nested too deep even to describe
+                raise CorruptCheckpointError(f"{file}: metadata nested too deeply") from None
 
     # -- TensorSource -------------------------------------------------------------------------
 
@@ -136,6 +167,19 @@ class DcpSource:
         self._check_chunks(key, entry)
         if len(entry.chunks) == 1:  # the common case of an unsharded tensor: no copy at all
             return self._load_chunk(key, entry, entry.chunks[0])
+        stored = 0
+        for chunk in entry.chunks:
+            try:
+                stored += _natural(chunk.info.length)
+            except (AttributeError, TypeError, ValueError) as e:
+                raise CorruptCheckpointError(
+                    f"{self.path}: {key!r}: malformed storage entry ({e})"
+                ) from None
+        nbytes = math.prod(entry.shape) * entry.dtype.itemsize
+        if nbytes > stored:  # each record holds its chunk's bytes, so this bounds the allocation
+            raise CorruptCheckpointError(
+                f"{self.path}: {key!r} claims {nbytes} bytes but its records hold {stored}"
+            )
         out = torch.empty(entry.shape, dtype=entry.dtype)
         for chunk in entry.chunks:
             data = self._load_chunk(key, entry, chunk)
@@ -154,8 +198,12 @@ class DcpSource:
         if self._common is None:
             state: dict[str, Any] = {}
             common_file = self.path / MEGATRON_COMMON_FILE
-            if common_file.is_file():
-                with open(common_file, "rb") as f:
+            if _present(common_file):
+                try:
+                    f = open_in(self.path, MEGATRON_COMMON_FILE)
+                except OSError as e:
+                    raise CorruptCheckpointError(f"{common_file}: unreadable ({e})") from None
+                with f:
                     loaded = load_torch_payload(f, str(common_file), trust=self.trust)
                 state.update(loaded if isinstance(loaded, dict) else {"common": loaded})
             for key, info in self._objects.items():
@@ -182,10 +230,10 @@ class DcpSource:
         Returns the problems found (empty when all match); raises if the manifest is unreadable.
         """
         manifest_file = self.path / INTEGRITY_FILE
-        if not manifest_file.is_file():
+        if not _present(manifest_file):
             return []
+        manifest = _json_in(self.path, INTEGRITY_FILE)
         try:
-            manifest = json.loads(manifest_file.read_text())
             algorithm, files = manifest.get("algorithm", "sha256"), dict(manifest["files"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise CorruptCheckpointError(f"{manifest_file}: unreadable ({e!r})") from None
@@ -194,12 +242,17 @@ class DcpSource:
         problems = []
         for name, expected in files.items():
             file = self.path / str(name)
-            if not file.is_file():
+            if not _present(file):
                 problems.append(f"{name}: missing")
                 continue
             digest = hashlib.sha256()
-            with open(file, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
+            try:
+                f = open_in(self.path, str(name))
+            except (OSError, ValueError) as e:
+                problems.append(f"{name}: unreadable ({e})")
+                continue
+            with f:
+                while block := f.read(1 << 20):
                     digest.update(block)
             if digest.hexdigest() != expected:
                 problems.append(f"{name}: SHA-256 mismatch")
@@ -213,12 +266,9 @@ class DcpSource:
 
     def _read_megatron_config(self) -> dict[str, Any] | None:
         file = self.path / MEGATRON_CONFIG_FILE
-        if not file.is_file():
+        if not _present(file):
             return None
-        try:
-            config = json.loads(file.read_text())
-        except (OSError, ValueError) as e:
-            raise CorruptCheckpointError(f"{file}: unreadable ({e})") from e
+        config = _json_in(self.path, MEGATRON_CONFIG_FILE)
         backend = config.get("sharded_backend") if isinstance(config, dict) else None
         if backend is not None and backend != "torch_dist":
             raise UnsupportedFormatError(
@@ -228,13 +278,10 @@ class DcpSource:
 
     def _metadata_files(self) -> list[Path]:
         single = self.path / METADATA_FILE
-        return [single] if single.is_file() else _rank_metadata_files(self.path)
+        return [single] if _present(single) else _rank_metadata_files(self.path)
 
     def _index(self, file: Path) -> None:
-        try:
-            data = file.read_bytes()
-        except OSError as e:
-            raise CorruptCheckpointError(f"{file}: unreadable ({e})") from e
+        data = _read_in(self.path, file.name)
         metadata = load_metadata_pickle(data, str(file), trust=self.trust)
         entries = getattr(metadata, "state_dict_metadata", None)
         storage = getattr(metadata, "storage_data", None)
@@ -243,9 +290,16 @@ class DcpSource:
                 f"{file}: does not hold DCP metadata (got {type(metadata).__name__})"
             )
         where: dict[tuple[str, Shape | None], Any] = {}
-        for index, info in storage.items():
-            offset = getattr(index, "offset", None)
-            where[(getattr(index, "fqn", ""), None if offset is None else tuple(offset))] = info
+        try:
+            for index, info in storage.items():
+                offset = getattr(index, "offset", None)
+                where[(getattr(index, "fqn", ""), None if offset is None else _coords(offset))] = (
+                    info
+                )
+        except (TypeError, ValueError, OverflowError) as e:
+            raise CorruptCheckpointError(
+                f"{file}: malformed storage index ({str(e)[:200]})"
+            ) from None
         paths = getattr(metadata, "planner_data", None)
         if isinstance(paths, dict):  # DCP's flattening: flat key -> path in the nested dict
             for key, path in paths.items():
@@ -257,6 +311,8 @@ class DcpSource:
                 ):
                     self._paths[key] = tuple(path)
         for key, meta in entries.items():
+            if not isinstance(key, str) or "\0" in key:
+                raise CorruptCheckpointError(f"{file}: key {str(key)[:80]!r} is not a valid name")
             if hasattr(meta, "chunks"):
                 self._index_tensor(file, key, meta, where)
             elif key not in self._objects:
@@ -269,16 +325,21 @@ class DcpSource:
         self, file: Path, key: str, meta: Any, where: dict[tuple[str, Shape | None], Any]
     ) -> None:
         try:
-            shape = tuple(int(s) for s in meta.size)
+            shape = _coords(meta.size)
             dtype = meta.properties.dtype
-            pieces = [
-                (tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
-                for c in meta.chunks
-            ]
-        except (AttributeError, TypeError, ValueError) as e:
+            pieces = [(_coords(c.offsets), _coords(c.sizes)) for c in meta.chunks]
+            if not isinstance(key, str) or "\0" in key:
+                raise ValueError(f"key {str(key)[:80]!r} is not a string")
+        except (AttributeError, TypeError, ValueError, OverflowError) as e:
             raise CorruptCheckpointError(f"{file}: malformed entry for {key!r} ({e})") from e
+        if any(len(o) != len(shape) or len(z) != len(shape) for o, z in pieces):
+            raise CorruptCheckpointError(
+                f"{file}: {key!r}: a chunk's rank differs from the tensor's"
+            )
         if not isinstance(dtype, torch.dtype):
-            raise CorruptCheckpointError(f"{file}: {key!r} has no valid dtype ({dtype!r})")
+            raise CorruptCheckpointError(
+                f"{file}: {key!r} has no valid dtype (a {type(dtype).__name__})"
+            )
         entry = self._tensors.get(key)
         if entry is None:
             entry = self._tensors[key] = _TensorEntry(shape, dtype, [])
@@ -320,7 +381,10 @@ class DcpSource:
                     f"{self.path}: {key!r}: chunk at {chunk.offsets} of size {chunk.sizes} lies outside {entry.shape}"
                 )
             boxes.append(box)
-        overlap = find_overlap(boxes)
+        try:
+            overlap = find_overlap(boxes)
+        except LayoutTooFragmentedError as e:
+            raise CorruptCheckpointError(f"{self.path}: {key!r}: {e}") from None
         if overlap is not None:
             a, b = (entry.chunks[i] for i in overlap)
             raise CorruptCheckpointError(
@@ -355,28 +419,37 @@ class DcpSource:
 
     def _load_record(self, info: Any, what: str, *, tensor: bool) -> Any:
         try:
-            relative, offset, length = str(info.relative_path), int(info.offset), int(info.length)
-        except (AttributeError, TypeError, ValueError) as e:
+            relative = info.relative_path
+            offset, length = _natural(info.offset), _natural(info.length)
+            if not isinstance(relative, str) or "\0" in relative:
+                raise ValueError(f"file name {str(relative)[:80]!r} is not a string")
+            descriptors = list(getattr(info, "transform_descriptors", None) or ())
+            if not all(isinstance(d, str) for d in descriptors):
+                raise ValueError("transform_descriptors holds something other than names")
+        except (AttributeError, TypeError, ValueError, OverflowError) as e:
             raise CorruptCheckpointError(
                 f"{self.path}: {what}: malformed storage entry ({e})"
-            ) from e
+            ) from None
         file = self._data_file(relative, what)
         where = f"{file} ({what})"
         try:
-            size = file.stat().st_size
+            raw = open_in(self.path, relative)
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"{file}: data file missing; it holds the {what}"
             ) from None
-        if offset < 0 or length < 0 or offset + length > size:
+        except OSError as e:
+            raise CorruptCheckpointError(f"{file}: unreadable ({e})") from None
+        size = os.fstat(raw.fileno()).st_size
+        if offset + length > size:
+            raw.close()
             raise CorruptCheckpointError(
                 f"{file}: truncated: the {what} needs bytes [{offset}, {offset + length}) of a {size}-byte file"
             )
-        descriptors = list(getattr(info, "transform_descriptors", None) or ())
-        with open(file, "rb") as raw:
+        with raw:
             stream: IO[bytes] = _FileSlice(raw, offset, length)  # type: ignore[assignment]
             if descriptors:
-                stream = self._untransform(stream, descriptors, where)
+                stream = self._untransform(stream, descriptors, where, length)
             if tensor:
                 head = stream.read(4)
                 stream.seek(0)
@@ -395,7 +468,9 @@ class DcpSource:
             )
         return file
 
-    def _untransform(self, stream: IO[bytes], descriptors: list[str], where: str) -> IO[bytes]:
+    def _untransform(
+        self, stream: IO[bytes], descriptors: list[str], where: str, length: int
+    ) -> IO[bytes]:
         try:
             from torch.distributed.checkpoint._extension import (
                 ExtensionRegistry,
@@ -406,8 +481,30 @@ class DcpSource:
             for ext in registry.from_descriptor_list(descriptors):
                 if isinstance(ext, StreamTransformExtension):
                     stream = ext.transform_from(stream)
-            return io.BytesIO(stream.read())
+            limit = MAX_INFLATION * length + (1 << 16)
+            data = stream.read(limit + 1)
+            if len(data) > limit and not self.trust:
+                raise CorruptCheckpointError(
+                    f"{where}: decodes to more than {MAX_INFLATION} times its {length} stored bytes; "
+                    "refusing a possible decompression bomb (pass trust=True if you trust the file)"
+                )
+            return io.BytesIO(data + stream.read() if len(data) > limit else data)
         except (ImportError, ValueError) as e:
             raise CorruptCheckpointError(
                 f"{where}: written with stream transforms {descriptors} that cannot be decoded here ({e})"
             ) from e
+
+
+def _natural(value: Any) -> int:
+    """A non-negative integer from metadata (``int``, not ``float``: ``inf`` is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+        raise ValueError(f"{str(value)[:40]} is not a non-negative integer below 2**62")
+    return int(value)
+
+
+def _coords(values: Any) -> Shape:
+    """A shape or offset from metadata: at most 64 integers in ``[0, 2**62)``."""
+    out = tuple(_natural(v) for v in values)
+    if len(out) > 64:
+        raise ValueError(f"{len(out)} dimensions")
+    return out

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CheckpointNotFoundError
+from ..storage.local import open_regular, read_checked
 from .dcp import MEGATRON_CONFIG_FILE, DcpSource, is_dcp_checkpoint
 from .errors import UnsupportedFormatError
 from .hf import HfSource
@@ -22,19 +23,23 @@ _PICKLE_PROTOCOL_OPCODE = 0x80
 
 def _is_torch_file(path: Path) -> bool:
     """A ``torch.save`` zip archive (it holds a ``data.pkl``), or a legacy pickle stream."""
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as zf:
-            return any(name.endswith("data.pkl") for name in zf.namelist())
-    with open(path, "rb") as f:
-        head = f.read(2)
+    try:
+        with open_regular(path) as f:
+            if zipfile.is_zipfile(f):
+                with zipfile.ZipFile(f) as zf:
+                    return any(name.endswith("data.pkl") for name in zf.namelist())
+            f.seek(0)
+            head = f.read(2)
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
+        raise UnsupportedFormatError(f"{path}: unreadable ({str(e)[:200]})") from None
     return len(head) == 2 and head[0] == _PICKLE_PROTOCOL_OPCODE and 2 <= head[1] <= 5
 
 
 def _is_megatron_dir(path: Path) -> bool:
     """Megatron-Core's ``metadata.json`` names the backend; DcpSource explains ones it cannot read."""
     try:
-        config = json.loads((path / MEGATRON_CONFIG_FILE).read_text())
-    except (OSError, ValueError):
+        config = json.loads(read_checked(str(path), MEGATRON_CONFIG_FILE, 1 << 20))
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(config, dict) and "sharded_backend" in config
 

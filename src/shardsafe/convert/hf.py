@@ -23,6 +23,7 @@ from ..errors import (
     IncompatibleRequestError,
     MissingKeyError,
 )
+from ..storage.local import read_checked as read_file
 from .errors import UnsupportedFormatError
 from .safetensors_io import SafetensorsFile, safetensors_dtype, write_safetensors
 from .select import RenameRules, SelectedSource, parse_rename_rules
@@ -156,8 +157,12 @@ def export_hf(
     return written
 
 
+MAX_INDEX_BYTES = 256 << 20
+"""A ``model.safetensors.index.json`` larger than this is refused unread."""
+
+
 def _find_index(path: Path) -> Path | None:
-    if (path / INDEX_FILE).is_file():
+    if os.path.lexists(path / INDEX_FILE):
         return path / INDEX_FILE
     indexes = sorted(path.glob("*.safetensors.index.json"))
     return indexes[0] if len(indexes) == 1 else None
@@ -190,13 +195,17 @@ class HfSource:
 
     def _read_index(self, index: Path) -> None:
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(read_file(str(self.path), index.name, MAX_INDEX_BYTES))[
+                "weight_map"
+            ]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CorruptCheckpointError(f"{index}: unreadable index ({e!r})") from None
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{index}: unreadable index ({str(e)[:200]})") from None
         for name, file_name in weight_map.items():
-            shard = self._file(str(file_name))
+            if not isinstance(file_name, str):
+                raise CorruptCheckpointError(f"{index}: {name!r} names no file ({file_name!r:.80})")
+            shard = self._file(file_name)
             if name not in shard.entries:
                 raise CorruptCheckpointError(
                     f"{shard.path}: lacks {name!r}, which {index.name} places there"
@@ -205,12 +214,11 @@ class HfSource:
 
     def _file(self, name: str) -> SafetensorsFile:
         if name not in self._files:
-            path = self.path / name
-            if self.path.resolve() not in path.resolve().parents:
+            if "\0" in name or "/" in name or name in ("", ".", ".."):
                 raise CorruptCheckpointError(
-                    f"{self.path}: the index points outside the folder ({name!r})"
+                    f"{self.path}: the index points outside the folder or at no file ({name[:80]!r})"
                 )
-            self._files[name] = SafetensorsFile(path)
+            self._files[name] = SafetensorsFile(name, root=self.path)
         return self._files[name]
 
     def _add(self, name: str, file_name: str) -> None:

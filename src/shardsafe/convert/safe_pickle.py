@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import io
+import os
 import pathlib
 import pickle
 import re
@@ -24,7 +25,9 @@ from typing import IO, Any
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..codec import check_torch_archive, scan_pickle
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..storage.local import open_regular
 from .errors import UnsafePickleError
 
 
@@ -118,8 +121,9 @@ def load_metadata_pickle(data: bytes, where: str, *, trust: bool = False) -> Any
     try:
         if trust:
             return pickle.loads(data)  # the caller vouched for the file
+        scan_pickle(data, where)
         return MetadataUnpickler(io.BytesIO(data), where).load()
-    except UnsafePickleError:
+    except CheckpointError:
         raise
     except Exception as e:  # a damaged pickle can fail in many ways; all mean the same here
         raise CorruptCheckpointError(
@@ -143,8 +147,17 @@ def load_torch_payload(
     try:
         if trust:
             return torch.load(file, map_location="cpu", weights_only=False, mmap=mmap)
+        if isinstance(file, str):
+            with open_regular(file) as f:
+                check_torch_archive(f, os.fstat(f.fileno()).st_size, where, allow_legacy=True)
+        else:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(0)
+            check_torch_archive(file, size, where, allow_legacy=True)
         with torch.serialization.safe_globals(_PAYLOAD_EXTRAS):
             return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as e:
         match = _REFUSED_GLOBAL.search(str(e))
         refused = match.group(1) if match else "content outside the weights-only subset"

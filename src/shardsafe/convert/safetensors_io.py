@@ -9,6 +9,7 @@ single tensor, and reading it needs no optional dependency.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..storage.local import open_in, open_regular
 from .source import Shape, tensor_bytes, tensor_nbytes
 
 _TO_NAME: dict[torch.dtype, str] = {
@@ -96,11 +98,17 @@ def write_safetensors(
 class SafetensorsFile:
     """The header of one safetensors file, and its tensors on request."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+    def __init__(
+        self, path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None
+    ) -> None:
+        """``path`` is a file the user named, or, with ``root``, a name read from a folder
+        there, opened only through the checked opener (regular, inside, no link)."""
+        self.path = Path(path) if root is None else Path(root) / os.fspath(path)
+        self._root: str | None = None if root is None else os.fspath(root)
+        self._name = "" if root is None else os.fspath(path)
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
+            with self._open() as f:
+                size = os.fstat(f.fileno()).st_size
                 head = f.read(8)
                 if len(head) < 8:
                     raise CorruptCheckpointError(f"{self.path}: truncated: no safetensors header")
@@ -112,19 +120,26 @@ class SafetensorsFile:
                 header = json.loads(f.read(length))
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.path}: file missing") from None
-        except (OSError, ValueError) as e:
-            raise CorruptCheckpointError(f"{self.path}: unreadable safetensors header ({e})") from e
+        except (OSError, ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(
+                f"{self.path}: unreadable safetensors header ({str(e)[:200]})"
+            ) from None
         if not isinstance(header, dict):
             raise CorruptCheckpointError(f"{self.path}: safetensors header is not an object")
         self.data_start = 8 + length
         self.file_size = size
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise CorruptCheckpointError(f"{self.path}: __metadata__ is not an object")
+        self.metadata: dict[str, str] = metadata
         self.entries: dict[str, tuple[Shape, torch.dtype, int, int]] = {}
         for name, info in header.items():
             try:
                 dtype = _FROM_NAME[info["dtype"]]
-                shape = tuple(int(s) for s in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
+                shape = tuple(_natural(s) for s in info["shape"])
+                begin, end = (_natural(x) for x in info["data_offsets"])
+                if len(shape) > 64:
+                    raise ValueError(f"{len(shape)} dimensions")
             except (KeyError, TypeError, ValueError) as e:
                 raise CorruptCheckpointError(
                     f"{self.path}: bad header entry for {name!r} ({e!r})"
@@ -146,8 +161,25 @@ class SafetensorsFile:
         if end == begin:
             return torch.empty(shape, dtype=dtype)
         buffer = bytearray(end - begin)
-        with open(self.path, "rb") as f:
+        try:
+            f = self._open()
+        except OSError as e:
+            raise CorruptCheckpointError(f"{self.path}: unreadable ({e})") from None
+        with f:
+            if self.data_start + end > os.fstat(f.fileno()).st_size:
+                raise CorruptCheckpointError(f"{self.path}: truncated before {name!r}")
             f.seek(self.data_start + begin)
             if f.readinto(buffer) != len(buffer):
                 raise CorruptCheckpointError(f"{self.path}: short read for {name!r}")
         return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+    def _open(self) -> io.BufferedReader:
+        if self._root is None:
+            return open_regular(self.path)
+        return open_in(self._root, self._name)
+
+
+def _natural(value: Any) -> int:
+    if type(value) is not int or not 0 <= value < 1 << 62:
+        raise ValueError(f"{str(value)[:40]} is not a non-negative integer")
+    return value

@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, MissingKeyError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingKeyError,
+)
 from .errors import UnsupportedFormatError
 from .flatten import describe, drop_emptied, flatten_state
 from .safe_pickle import load_torch_payload
@@ -170,7 +175,13 @@ class TorchFileSource:
             raise UnsupportedFormatError(
                 f"{self.path}: holds a {type(loaded).__name__}, not a dict of tensors"
             )
-        flat, other = flatten_state(loaded)  # ``other``: objects only a trusted load can produce
+        _refuse_odd_tensors(loaded, self.path)
+        try:
+            flat, other = flatten_state(loaded)
+        except RecursionError:
+            raise CorruptCheckpointError(
+                f"{self.path}: values nested too deeply"
+            ) from None  # ``other``: objects only a trusted load can produce
         self._tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
         self._common = {
             **{k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)},
@@ -195,3 +206,22 @@ class TorchFileSource:
             return self._tensors[key]
         except KeyError:
             raise MissingKeyError(f"{self.path}: no tensor {key!r}") from None
+
+
+def _refuse_odd_tensors(value: Any, path: Path) -> None:
+    """Only dense CPU tensors convert: meta, sparse, quantized and nested ones are refused."""
+    stack = [("", value)]
+    while stack:
+        key, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), x) for k, x in v.items())
+        elif isinstance(v, (list, tuple)):
+            stack.extend((f"{key}.{i}", x) for i, x in enumerate(v))
+        elif isinstance(v, torch.Tensor) and (
+            v.layout != torch.strided or v.device.type != "cpu" or v.is_quantized or v.is_nested
+        ):
+            kind = "quantized " if v.is_quantized else "nested " if v.is_nested else ""
+            raise CorruptCheckpointError(
+                f"{path}: {key!r} is a {kind}{v.layout} tensor on {v.device}; only dense CPU "
+                "tensors convert (densify, dequantize or move it to the CPU before saving)"
+            )

@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import errno
 import functools
+import io
 import os
 import shutil
 import stat
@@ -40,41 +41,17 @@ class LocalStorage(Storage):
             return []
 
     def size(self, rel: str) -> int:
-        return os.stat(self.path(rel)).st_size
+        """The size of the regular file ``rel``, read from its descriptor (see :func:`open_checked`)."""
+        fd, size = open_checked(self.root, rel)
+        os.close(fd)
+        return size
 
     def open_fd(self, rel: str) -> int:
-        """A read-only descriptor of the regular file ``rel``, which must resolve inside the root.
+        """A read-only descriptor of the regular file ``rel`` (see :func:`open_checked`)."""
+        return open_checked(self.root, rel)[0]
 
-        A symbolic link planted in a checkpoint cannot make a reader open a file elsewhere,
-        and a FIFO or device in place of a file cannot block it or feed it endless bytes.
-        """
-        path = self.path(rel)
-        root = os.path.realpath(self.root)
-        real = os.path.realpath(path)
-        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
-            raise PermissionError(
-                errno.EACCES,
-                f"refusing to follow a symbolic link that leads outside {root} to {real}",
-                path,
-            )
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISDIR(mode):
-                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-            if not stat.S_ISREG(mode):
-                raise PermissionError(
-                    errno.EACCES, "refusing to read what is not a regular file", path
-                )
-            os.set_blocking(fd, True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def read_bytes(self, rel: str) -> bytes:
-        with os.fdopen(self.open_fd(rel), "rb") as f:
-            return f.read()
+    def read_bytes(self, rel: str, limit: int | None = None) -> bytes:
+        return read_checked(self.root, rel, limit)
 
     def read_into(self, rel: str, offset: int, out: memoryview) -> None:
         fd = self.open_fd(rel)
@@ -179,6 +156,112 @@ def _renameat2() -> Any:
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     fn.restype = ctypes.c_int
     return fn
+
+
+SPARSE_SLACK = 1 << 20
+"""A file may hold this many bytes more than a quarter of it allocated (see :func:`open_checked`)."""
+
+
+def open_checked(root: str, rel: str, *, dense: bool = True) -> tuple[int, int]:
+    """``(descriptor, size)`` of the regular file ``rel`` under ``root``: the one way readers open.
+
+    - ``rel`` is relative, without ``..``; its directory must resolve inside ``root``
+      (``root`` itself may be a symbolic link) and the file itself must not be a link:
+      a link planted in a checkpoint cannot make a reader open, or even stat, a file
+      elsewhere.
+    - A FIFO, device, socket or directory is refused without blocking (``O_NONBLOCK``):
+      it could hang a reader or feed it endless bytes.
+    - The size comes from the opened descriptor, so what is checked is what is read.
+    - With ``dense``, a sparse file (fewer than a quarter of its bytes allocated, beyond
+      :data:`SPARSE_SLACK`) is refused: its holes would read as data that costs nothing
+      on disk, so a reader's memory stays bounded by bytes really stored.
+    """
+    path = os.path.join(root, rel) if rel else root
+    if os.path.isabs(rel) or ".." in rel.split("/") or "\0" in rel:
+        raise PermissionError(errno.EACCES, "refusing a path that leaves the directory", path)
+    real_root = os.path.realpath(root)
+    parent = os.path.realpath(os.path.dirname(path))
+    if parent != real_root and not parent.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise PermissionError(
+            errno.EACCES,
+            f"refusing to follow a symbolic link that leads outside {real_root} to {parent}",
+            path,
+        )
+    if os.path.islink(path):  # lstat only: the link's target is neither opened nor stat'ed
+        raise PermissionError(
+            errno.EACCES,
+            "refusing to follow a symbolic link in place of a file (it may lead outside)",
+            path,
+        )
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PermissionError(
+                errno.EACCES, "refusing to follow a symbolic link in place of a file", path
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(errno.EACCES, "refusing to read what is not a regular file", path)
+        if dense and st.st_size > SPARSE_SLACK + 4 * st.st_blocks * 512:
+            raise PermissionError(
+                errno.EACCES,
+                f"refusing a sparse file ({st.st_size} bytes, {st.st_blocks * 512} allocated)",
+                path,
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_checked(root: str, rel: str, limit: int | None = None) -> bytes:
+    """The whole of ``rel`` (opened by :func:`open_checked`), refusing more than ``limit`` bytes.
+
+    Read in bounded chunks up to the size the descriptor reports, so a file that grows
+    while being read cannot make this allocate more.
+    """
+    fd, size = open_checked(root, rel)
+    try:
+        if limit is not None and size > limit:
+            raise PermissionError(
+                errno.EFBIG,
+                f"refusing a file of {size} bytes (the limit is {limit})",
+                os.path.join(root, rel),
+            )
+        out = bytearray(size)
+        read_fd_into(fd, 0, memoryview(out), os.path.join(root, rel))
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+def open_in(root: str | os.PathLike[str], rel: str) -> io.BufferedReader:
+    """A buffered binary file over :func:`open_checked`'s descriptor."""
+    return os.fdopen(open_checked(os.fspath(root), rel)[0], "rb")
+
+
+def open_regular(path: str | os.PathLike[str]) -> io.BufferedReader:
+    """A file the user named (a link they give is followed), refused unless it is regular:
+    a FIFO or device in its place cannot block the reader or feed it endless bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise PermissionError(
+                errno.EACCES, "refusing to read what is not a regular file", os.fspath(path)
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
 
 
 class _FdReader:
