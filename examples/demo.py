@@ -46,8 +46,8 @@ from parallel_layers import Layout, ParallelState
 
 import shardsafe
 from shardsafe.directory import step_name
-from shardsafe.manager import CheckpointManager
 from shardsafe.lease import LeaseInfo
+from shardsafe.manager import CheckpointManager
 
 #: Relative tolerance on the loss where the layout changes the float reduction order (TP
 #: all-reduces, DP gradient sums, ZeRO ranges); measured differences are around 1e-7.
@@ -447,11 +447,13 @@ class Demo:
                     f"    {e + '/':50s} {len(files)} files, {_mb(size)}, {'committed' if manifest else 'NO manifest.json'}"
                 )
             else:
-                lease = LeaseInfo.parse(p.read_bytes())
-                state = "unreadable" if lease is None else lease.describe()
-                if lease is not None:
-                    state += ", expired" if lease.expired() else ", live"
-                print(f"    {e:50s} lease {state}")
+                info = LeaseInfo.parse(p.read_bytes())
+                print(
+                    f"    {e:50s} lease of pid {info.pid} on {info.host} "
+                    f"({'expired' if info.expired() else 'valid'})"
+                    if info is not None
+                    else f"    {e:50s} (not a lease)"
+                )
         tmp = [e for e in entries if e.startswith(f".{killed}.shardsafe-tmp-")]
         lock = f".{killed}.shardsafe-lock"
         self.check(

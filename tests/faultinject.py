@@ -83,6 +83,8 @@ def _write_all(f: Any, view: memoryview) -> None:
 class FaultyStorage:
     """``inner`` with every new file (data files and manifest alike) drawing on ``budget``."""
 
+    direct_io = False  # every write must pass through open_write to draw on the budget
+
     def __init__(self, inner: Any, budget: ByteBudget) -> None:
         self._inner = inner
         self._budget = budget

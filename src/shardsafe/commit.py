@@ -150,7 +150,10 @@ def commit(loc: Location, token: str, manifest: Manifest, overwrite: bool) -> No
     work = work_dir(loc, token)
     if not parent.atomic_rename:
         parent.write_bytes(f"{work}/{MANIFEST_NAME}", manifest.dumps())
-        remove_unlisted(parent, loc.name, manifest)
+        try:
+            remove_unlisted(parent, loc.name, manifest)
+        except Exception as e:  # past the commit point: never abort
+            log.warning("%s committed, but removing the replaced files failed: %s", loc.url, e)
         return
     parent.write_bytes(f"{work}/{MANIFEST_NAME}", manifest.dumps())
     parent.sync_dir(f"{work}/data")
@@ -158,17 +161,26 @@ def commit(loc: Location, token: str, manifest: Manifest, overwrite: bool) -> No
     if parent.exists(loc.name):
         check_target(loc, overwrite)
         if parent.exchange(work, loc.name):
-            parent.sync_dir("")
-            parent.remove_tree(work)  # now the old checkpoint
+            _after_commit(loc, parent, work)  # the work directory now holds the old checkpoint
             return
         old = loc.old_name(token)
         parent.rename(loc.name, old)
         parent.rename(work, loc.name)
-        parent.sync_dir("")
-        parent.remove_tree(old)
+        _after_commit(loc, parent, old)
         return
     parent.rename(work, loc.name)
-    parent.sync_dir("")
+    _after_commit(loc, parent, None)
+
+
+def _after_commit(loc: Location, parent: Storage, old: str | None) -> None:
+    """fsync the parent, delete what was replaced. Past the commit point a failure must not
+    abort (that would delete committed files): what is left is a leftover for the clean-up."""
+    try:
+        parent.sync_dir("")
+        if old is not None:
+            parent.remove_tree(old)
+    except Exception as e:
+        log.warning("%s committed, but tidying up after it failed: %s", loc.url, e)
 
 
 def remove_unlisted(storage: Storage, name: str, manifest: Manifest) -> None:

@@ -227,8 +227,12 @@ class CheckpointDirectory(ABC):
             if kind in ("tmp", "old") and self.is_committed(entry)
         )
         for _, entry, base in candidates:
-            if base in restored or self.storage.exists(base):
+            if base in restored or self.is_committed(base):
                 continue
+            if self.storage.exists(base):
+                if not self.claims_uncommitted(base):
+                    continue
+                self.storage.remove_tree(base)  # the remains of an interrupted deletion
             self.storage.rename(entry, base)
             self.storage.sync_dir("")
             log.warning(

@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as tdist
@@ -62,25 +62,27 @@ class Comm:
             ) from None
 
     def _wait_for_all(self, store: Any, base: str, stage: str, timeout: float) -> None:
+        """The last rank to arrive sets ``all``; everyone blocks in the store's ``wait`` for it."""
         store.set(f"{base}/r{self.rank}", stage)
-        deadline = time.monotonic() + timeout
-        delay = 0.001
-        count = int(store.add(f"{base}/count", 1))
-        while count < self.world_size:
-            if time.monotonic() > deadline:
+        if int(store.add(f"{base}/count", 1)) == self.world_size:
+            store.set(f"{base}/all", "1")
+        try:
+            store.wait([f"{base}/all"], timedelta(seconds=timeout))
+        except Exception as e:
+            if not store.check([f"{base}/all"]):
                 absent = [r for r in range(self.world_size) if not store.check([f"{base}/r{r}"])]
-                raise DistributedError(
-                    f"rank {self.rank}: {describe_ranks(absent)} did not reach '{stage}' within {timeout:.0f} s "
-                    "(dead, stuck, or calling a different checkpoint operation)",
-                    {r: "absent" for r in absent},
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-            count = int(store.add(f"{base}/count", 0))
+                if absent or "timeout" in f"{type(e).__name__} {e}".lower():
+                    raise DistributedError(
+                        f"rank {self.rank}: {describe_ranks(absent)} did not reach '{stage}' within {timeout:.0f} s "
+                        "(dead, stuck, or calling a different checkpoint operation)",
+                        {r: "absent" for r in absent},
+                    ) from None
+                raise
         if int(store.add(f"{base}/done", 1)) == self.world_size:
             for key in [f"{base}/r{r}" for r in range(self.world_size)] + [
                 f"{base}/count",
                 f"{base}/done",
+                f"{base}/all",
             ]:
                 with contextlib.suppress(Exception):
                     store.delete_key(key)

@@ -111,8 +111,9 @@ def read_lease(storage: Storage, rel: str) -> LeaseInfo | str | None:
 def lease_state(storage: Storage, rel: str) -> str:
     """``"absent"``, ``"expired"`` or ``"held"``.
 
-    An unreadable lease counts as held until the file itself is older than the default ttl
-    (a lease is rewritten whole on every renewal, so a torn one is a moment's state).
+    A file there that is not a lease counts as held: leases are replaced whole (rename, PUT),
+    so it is no torn lease but something else, and deleting it is the user's call (the error
+    of a save that meets it says so).
     """
     info = read_lease(storage, rel)
     if info is None:

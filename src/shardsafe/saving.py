@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import xxhash
@@ -57,6 +57,7 @@ from .sharding import (
 )
 
 CoordinatorPlan = tuple[list[LocalPlan], GlobalPlan]
+T = TypeVar("T")
 
 _DATA_FILE = re.compile(r"rank-\d{5}-\d{2,}(-[0-9a-f]{16})?\.bin")
 """Data files a shardsafe save writes (the remains of an interrupted one may be replaced)."""
@@ -270,17 +271,22 @@ def plan_save(
         if lease is not None:
             abort(loc, token, lease)
         raise
-    votes = comm.all_gather(
-        {
-            "cached": candidate,
-            "error": err,
-            "token": token if comm.is_coordinator else None,
-            "digest": combined(digests),
-        }
+    votes = _or_abort(
+        lease,
+        loc,
+        token,
+        lambda: comm.all_gather(
+            {
+                "cached": candidate,
+                "error": err,
+                "token": token if comm.is_coordinator else None,
+                "digest": combined(digests),
+            }
+        ),
     )
     errors = [v["error"] for v in votes]
     if not any(errors) and len({v["digest"] for v in votes}) > 1:
-        every = comm.all_gather(digests)
+        every = _or_abort(lease, loc, token, lambda: comm.all_gather(digests))
         errors = [error_record(ValidationError(divergence(every) or "state differs"))] * len(votes)
     if any(errors):
         if lease is not None:
@@ -303,7 +309,7 @@ def plan_save(
             lease,
         )
 
-    gathered = comm.gather(local_plan.to_json())
+    gathered = _or_abort(lease, loc, token, lambda: comm.gather(local_plan.to_json()))
     replies: list[Any] | None = None
     coordinator_plan: CoordinatorPlan | None = None
     if gathered is not None:
@@ -318,13 +324,23 @@ def plan_save(
         except Exception as e:
             abort(loc, token, lease)
             replies = [{"errors": [error_record(e)] * len(gathered)}] * len(gathered)
-    reply = comm.scatter(replies)
+    reply = _or_abort(lease, loc, token, lambda: comm.scatter(replies))
     raise_for(reply.get("errors") or [], "save planning")
     assignment = RankAssignment.from_json(reply["assignment"])
     if cache is not None and structure is not None:
         cache.misses += 1
         cache.entry = _CacheEntry(structure, reply["plan_id"], assignment, coordinator_plan)
     return PlannedSave(loc, token, split, local_plan, assignment, coordinator_plan, False, lease)
+
+
+def _or_abort(lease: Lease | None, loc: Location, token: str, fn: Callable[[], T]) -> T:
+    """A collective of planning; if it fails (a peer died), the coordinator drops its lease."""
+    try:
+        return fn()
+    except BaseException:
+        if lease is not None:
+            abort(loc, token, lease)
+        raise
 
 
 def check_content_metadata(content_metadata: Mapping[str, Any] | None) -> None:

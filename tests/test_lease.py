@@ -1,0 +1,99 @@
+"""Leases on a checkpoint name: taken exclusively, renewed, expired by time (any host) or at
+once when the owner's process on this host is gone, lost when another owner takes over."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardsafe.errors import CheckpointExistsError
+from shardsafe.lease import Lease, LeaseInfo, lease_state, read_lease
+from shardsafe.storage import storage_for
+
+REL = ".ck.shardsafe-lock"
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def write(tmp_path: Path, host: str, pid: int, age: float, ttl: float = 60.0) -> None:
+    ns = os.readlink("/proc/self/ns/pid") if host == socket.gethostname() else "elsewhere"
+    info = LeaseInfo("o" * 16, host, pid, ns, time.time() - age, ttl)
+    (tmp_path / REL).write_bytes(info.to_bytes())
+
+
+def test_taken_once_renewed_and_released(tmp_path: Path) -> None:
+    storage = storage_for(str(tmp_path))
+    lease = Lease.acquire(storage, REL, "a" * 16, ttl=60)
+    with pytest.raises(CheckpointExistsError, match=rf"held by pid {os.getpid()} on "):
+        Lease.acquire(storage, REL, "b" * 16)
+    first = read_lease(storage, REL)
+    assert isinstance(first, LeaseInfo) and first.owner == "a" * 16
+    time.sleep(0.01)
+    lease.renew()
+    second = read_lease(storage, REL)
+    assert isinstance(second, LeaseInfo) and second.renewed > first.renewed
+    assert sorted(os.listdir(tmp_path)) == [REL]  # the renewal's temporary file is gone
+    lease.release()
+    assert lease_state(storage, REL) == "absent"
+
+
+def test_background_renewal_keeps_a_short_lease_alive(tmp_path: Path) -> None:
+    storage = storage_for(str(tmp_path))
+    lease = Lease.acquire(storage, REL, "a" * 16, ttl=0.4).start()
+    time.sleep(1.2)  # three ttls
+    assert lease_state(storage, REL) == "held" and lease.lost is None
+    lease.release()
+    assert lease_state(storage, REL) == "absent"
+
+
+@pytest.mark.parametrize(
+    ("where", "age", "state"),
+    [
+        ("this host, process gone", 0.0, "expired"),
+        ("this host, process alive", 0.0, "held"),
+        ("another host, renewed now", 0.0, "held"),
+        ("another host, renewal overdue", 120.0, "expired"),
+    ],
+)
+def test_expiry(tmp_path: Path, where: str, age: float, state: str) -> None:
+    host = socket.gethostname() if where.startswith("this") else "elsewhere.example"
+    pid = os.getpid() if "alive" in where else dead_pid()
+    write(tmp_path, host, pid, age)
+    storage = storage_for(str(tmp_path))
+    assert lease_state(storage, REL) == state
+    if state == "expired":  # broken by the next save
+        Lease.acquire(storage, REL, "n" * 16).release()
+    else:
+        with pytest.raises(CheckpointExistsError):
+            Lease.acquire(storage, REL, "n" * 16)
+
+
+def test_a_lease_taken_over_is_lost_and_not_released(tmp_path: Path) -> None:
+    storage = storage_for(str(tmp_path))
+    lease = Lease.acquire(storage, REL, "a" * 16)
+    write(tmp_path, "elsewhere.example", 1, 0.0)  # another owner took it (we were stalled)
+    with pytest.raises(CheckpointExistsError, match="lost the lease"):
+        lease.check()
+    lease.release()
+    assert json.loads((tmp_path / REL).read_text())["owner"] == "o" * 16
+
+
+def test_foreign_and_old_lock_files(tmp_path: Path) -> None:
+    storage = storage_for(str(tmp_path))
+    (tmp_path / REL).write_text("not a lease")
+    assert lease_state(storage, REL) == "held"
+    with pytest.raises(CheckpointExistsError, match="delete that lock file"):
+        Lease.acquire(storage, REL, "n" * 16)
+    (tmp_path / REL).write_text(f"{socket.gethostname()} {dead_pid()} {time.time():.0f}")
+    assert lease_state(storage, REL) == "expired"  # an earlier version's lock of a dead process
