@@ -158,3 +158,58 @@ def patch_commit_then_die() -> Undo:
         kill_self()
 
     return _replace(shardsafe.commit, "commit", commit)
+
+
+class _FlippingWriter:
+    """Flips one bit of the first byte written (a device that corrupts what it stores)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._done = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if not self._done and len(view):
+            self._done = True
+            first = bytes([view[0] ^ 0x01])
+            _write_all(self._inner, memoryview(first))
+            _write_all(self._inner, view[1:])
+            return len(view)
+        _write_all(self._inner, view)
+        return len(view)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class CorruptingStorage:
+    """``inner`` whose next ``times`` new files are stored with one bit flipped."""
+
+    direct_io = False  # every write passes through open_write
+
+    def __init__(self, inner: Any, left: list[int]) -> None:
+        self._inner = inner
+        self._left = left
+
+    @contextmanager
+    def open_write(self, rel: str) -> Iterator[Any]:
+        with self._inner.open_write(rel) as f:
+            if self._left[0] > 0:
+                self._left[0] -= 1
+                yield _FlippingWriter(f)
+            else:
+                yield f
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def patch_corrupting_writes(times: int) -> Undo:
+    """The next ``times`` data files this process writes reach the disk with one bit flipped."""
+    left = [times]
+    original = shardsafe.saving.write_data_file
+
+    def corrupting(storage: Any, rel: str, *args: Any, **kwargs: Any) -> Any:
+        return original(CorruptingStorage(storage, left), rel, *args, **kwargs)
+
+    return _replace(shardsafe.saving, "write_data_file", corrupting)

@@ -79,6 +79,7 @@ class CheckpointManager:
         timeout: float = 1800.0,
         dead_after: float = DEAD_AFTER,
         lease_ttl: float = LEASE_SECONDS,
+        verify_after_write: bool = False,
     ) -> None:
         for what, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is not None and (
@@ -93,7 +94,11 @@ class CheckpointManager:
         self.root = self._dir.url
         self.timeout = timeout  # how long a rank waits for the others before naming the absent ones
         self._saver = Saver(
-            process_group, timeout=timeout, dead_after=dead_after, lease_ttl=lease_ttl
+            process_group,
+            timeout=timeout,
+            dead_after=dead_after,
+            lease_ttl=lease_ttl,
+            verify_after_write=verify_after_write,
         )
         self._lock = threading.Lock()  # guards _active and _pending
         self._maintenance = threading.Lock()  # one pointer update / deletion pass at a time

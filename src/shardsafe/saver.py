@@ -114,8 +114,11 @@ class Saver:
         max_staging_bytes: int | None = None,
         dead_after: float = DEAD_AFTER,
         lease_ttl: float = LEASE_SECONDS,
+        verify_after_write: bool = False,
     ) -> None:
         self.process_group = process_group
+        # read every data file back from the device once durable; rewrite once on a mismatch
+        self.verify_after_write = verify_after_write
         self.files_per_rank = files_per_rank
         self.block_bytes = block_bytes
         self.timeout = timeout  # for every rank to reach planning
@@ -179,6 +182,7 @@ class Saver:
                 self.files_per_rank,
                 self.block_bytes,
                 _counter(progress, "written"),
+                verify_after_write=self.verify_after_write,
             )
         )
         t_write = time.perf_counter() - t1
@@ -244,6 +248,7 @@ class Saver:
                         self.files_per_rank,
                         self.block_bytes,
                         first_file=first,
+                        verify_after_write=self.verify_after_write,
                     )
                 )
             s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=True)
@@ -286,6 +291,7 @@ class Saver:
                                 self.block_bytes,
                                 _counter(progress, "written"),
                                 first_file=sum(len(r["files"]) for r in early),
+                                verify_after_write=self.verify_after_write,
                             ),
                         ]
                     )

@@ -17,6 +17,7 @@ replace anything but a checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import uuid
@@ -32,8 +33,14 @@ from .checksum import digest
 from .codec import encode, tensor_bytes
 from .dist import Comm, error_record, outcome, raise_for
 from .dtypes import dtype_name
-from .engine import split_balanced, write_data_file
-from .errors import CheckpointError, CheckpointExistsError, UnsafeObjectError, ValidationError
+from .engine import DEFAULT_MAX_BUFFER, split_balanced, verify_written, write_data_file
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    UnsafeObjectError,
+    ValidationError,
+)
 from .format import (
     MANIFEST_NAME,
     Extent,
@@ -55,9 +62,12 @@ from .sharding import (
     is_main_replica,
     split_state_dict,
 )
+from .storage import Storage
 
 CoordinatorPlan = tuple[list[LocalPlan], GlobalPlan]
 T = TypeVar("T")
+
+log = logging.getLogger("shardsafe")
 
 _DATA_FILE = re.compile(r"rank-\d{5}-\d{2,}(-[0-9a-f]{16})?\.bin")
 """Data files a shardsafe save writes (the remains of an interrupted one may be replaced)."""
@@ -481,10 +491,14 @@ def write_share(
     block_bytes: int,
     on_bytes: Callable[[int], None] | None = None,
     first_file: int = 0,
+    verify_after_write: bool = False,
 ) -> dict[str, Any]:
     """Write this rank's items into its data files (in parallel); return the extents for the manifest.
 
     Files are numbered from ``first_file``, so a save written in waves gets distinct files.
+    With ``verify_after_write`` each durable file is read back from the device and compared
+    with the checksums of the bytes handed to the write (still held); a file that differs is
+    written once more, and fails the save if it differs again.
     """
     check_work_dir(planned.loc, planned.token, rank)
     work = work_dir(planned.loc, planned.token)
@@ -494,9 +508,10 @@ def write_share(
     def one(index: int, group: Sequence[int]) -> tuple[str, dict[Any, Extent], int]:
         name = file_name(planned.loc, planned.token, rank, first_file + index)
         resolved = [(items[i][0], _resolve(items[i][1])) for i in group]
-        ext, size = write_data_file(
-            planned.loc.parent, f"{work}/{name}", resolved, block_bytes, on_bytes
-        )
+        storage, rel = planned.loc.parent, f"{work}/{name}"
+        ext, size = write_data_file(storage, rel, resolved, block_bytes, on_bytes)
+        if verify_after_write:
+            ext, size = _verified(storage, rel, resolved, block_bytes, ext, size, rank)
         return (
             name,
             {k: Extent(name, e.byte_offset, e.nbytes, e.checksums) for k, e in ext.items()},
@@ -520,6 +535,43 @@ def write_share(
         "files": files,
         "common": share.common,
     }
+
+
+def _verified(
+    storage: Storage,
+    rel: str,
+    items: list[tuple[Any, Any]],
+    block_bytes: int,
+    ext: dict[Any, Extent],
+    size: int,
+    rank: int,
+) -> tuple[dict[Any, Extent], int]:
+    """``ext, size`` once ``rel`` reads back as written: one rewrite, then an error."""
+
+    def differing() -> list[str]:
+        return verify_written(storage, rel, list(ext.values()), block_bytes, DEFAULT_MAX_BUFFER)
+
+    bad = differing()
+    if not bad:
+        return ext, size
+    log.warning(
+        "rank %d: %s read back differently from what was written (%d blocks, first at %s); "
+        "writing it again",
+        rank,
+        storage.describe(rel),
+        len(bad),
+        bad[0],
+    )
+    storage.remove_tree(rel)
+    ext, size = write_data_file(storage, rel, items, block_bytes)
+    bad = differing()
+    if bad:
+        raise CorruptCheckpointError(
+            f"rank {rank} on {socket.gethostname()}: {storage.describe(rel)} read back "
+            f"differently from what was written, twice ({len(bad)} blocks, first at "
+            f"{bad[0]}); the storage is corrupting data: check the device or save elsewhere"
+        )
+    return ext, size
 
 
 def merge_results(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
