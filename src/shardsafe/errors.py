@@ -8,7 +8,7 @@ Messages name the key, file and ranks involved and say what to do.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 
 class CheckpointError(Exception):
@@ -98,3 +98,16 @@ def describe_ranks(ranks: Sequence[int], limit: int = 8) -> str:
     head = ", ".join(str(r) for r in ranks[:limit])
     more = f", ... (+{len(ranks) - limit} more)" if len(ranks) > limit else ""
     return f"rank{'s' if len(ranks) != 1 else ''} {head}{more}"
+
+
+def call_each(calls: Iterable[Callable[[], object]]) -> None:
+    """Run every call even after one fails (each frees its own resources), then raise the
+    first :class:`CheckpointError` seen."""
+    errors: list[CheckpointError] = []
+    for call in calls:
+        try:
+            call()
+        except CheckpointError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]

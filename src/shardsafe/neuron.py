@@ -37,7 +37,7 @@ import torch
 
 from .directory import CheckpointDirectory
 from .dist import get_comm, outcome, raise_for
-from .errors import CheckpointError
+from .errors import CheckpointError, call_each
 from .loading import StrictHandling, load
 from .manager import CheckpointManager
 from .reader import CheckpointReader
@@ -134,14 +134,7 @@ def finalize_checkpoint() -> None:
     with _MANAGERS_LOCK:
         managers = list(_MANAGERS.values())
         _MANAGERS.clear()
-    errors = []
-    for manager in managers:
-        try:
-            manager.close()
-        except CheckpointError as e:
-            errors.append(e)
-    if errors:
-        raise errors[0]
+    call_each(m.close for m in managers)
 
 
 def has_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> bool:

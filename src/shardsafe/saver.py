@@ -32,7 +32,7 @@ from .checksum import DEFAULT_BLOCK_BYTES
 from .codec import tensor_bytes
 from .commit import finalize
 from .dist import Comm, get_comm, outcome, raise_for
-from .errors import CheckpointError
+from .errors import call_each
 from .lease import LEASE_SECONDS
 from .location import locate
 from .saving import (
@@ -541,25 +541,11 @@ def release() -> None:
     with _DEFAULT_LOCK:
         savers = list(_DEFAULT.values())
         _DEFAULT.clear()
-    errors = []
-    for s in savers:
-        try:
-            s.close()
-        except CheckpointError as e:
-            errors.append(e)
-    if errors:
-        raise errors[0]
+    call_each(s.close for s in savers)
 
 
 def wait_for_saves() -> None:
     """Wait for every default Saver's save in flight (call before exiting)."""
     with _DEFAULT_LOCK:
         savers = list(_DEFAULT.values())
-    errors = []
-    for s in savers:
-        try:
-            s.wait()
-        except CheckpointError as e:
-            errors.append(e)
-    if errors:
-        raise errors[0]
+    call_each(s.wait for s in savers)
