@@ -30,7 +30,7 @@ from .errors import (
     MissingKeyError,
 )
 from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, TensorEntry
-from .geometry import Box
+from .geometry import Box, intersect
 from .location import TMP_MARK, Location, locate
 from .parallel_load import (
     MIN_SHARED_BYTES,
@@ -619,3 +619,56 @@ def load_content_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None
 
 
 _ = math
+
+
+def files_to_read(template: Any, manifest: Manifest) -> set[str]:
+    """The data files a load of ``template`` reads from a checkpoint with ``manifest``.
+
+    At file granularity and never fewer than the load reads: the files of every stored piece
+    that meets a requested box, of every object requested, of the common state's blobs and of
+    the tensors it refers to. A restore from copies spread over hosts fetches these first.
+    """
+    tree = _apply_factories_recording(adapt(template), (), [])
+    split = split_state_dict(tree)
+    files: set[str] = set()
+    for _, st in split.tensors:
+        entry = manifest.tensors.get(st.key)
+        if entry is None:
+            continue
+        wanted = st.chunk_box
+        for piece in entry.pieces:
+            try:
+                meets = intersect(piece.box, wanted) is not None
+            except ValueError:  # a layout this template cannot meet: the load reports it
+                meets = True
+            if meets:
+                files.add(piece.extent.file)
+    nodes = [manifest.common] + [
+        manifest.objects[o.unique_key].value
+        for _, o in split.objects
+        if o.unique_key in manifest.objects
+    ]
+    refs: set[str] = set()
+    strings: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$tensor_ref")
+            if isinstance(ref, str) and len(node) == 1:
+                refs.add(ref)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif isinstance(node, str):
+            strings.add(node)
+
+    for node in nodes:
+        walk(node)
+    for key in refs:
+        entry = manifest.tensors.get(key)
+        if entry is not None:
+            files.update(p.extent.file for p in entry.pieces)
+    files.update(e.file for bid, e in manifest.blobs.items() if bid in strings)
+    return files

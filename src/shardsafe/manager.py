@@ -41,6 +41,7 @@ from .errors import (
 )
 from .lease import LEASE_SECONDS
 from .loading import StrictHandling, load
+from .local_tier import LocalTier
 from .saver import AsyncSaveHandle, Saver
 from .saving import SaveStats
 from .sharding import (
@@ -80,8 +81,19 @@ class CheckpointManager:
         dead_after: float = DEAD_AFTER,
         lease_ttl: float = LEASE_SECONDS,
         verify_after_write: bool = False,
+        local_root: str | os.PathLike[str] | None = None,
+        local_every: int = 1,
+        persistent_every: int = 1,
+        replicas: int = 1,
+        node_id: str | None = None,
+        local_keep_last: int = 2,
     ) -> None:
-        for what, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+        for what, value in (
+            ("keep_last", keep_last),
+            ("keep_every", keep_every),
+            ("local_every", local_every),
+            ("persistent_every", persistent_every),
+        ):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
@@ -106,9 +118,26 @@ class CheckpointManager:
         self._pending: tuple[AsyncSaveHandle, Future[SaveStats]] | None = None
         self._closed = False
         self._restored: str | None = None
+        self.restored_tier: str | None = None
+        """``"local"`` or ``"persistent"``: where the last :meth:`restore` read from."""
+        self.local_every = local_every
+        self.persistent_every = persistent_every
         if get_comm(process_group).is_coordinator:
             self._dir.storage.make_dir("")
             self.cleanup()
+        self._local: LocalTier | None = None
+        if local_root is not None:
+            self._local = LocalTier(
+                local_root,
+                process_group=process_group,
+                node_id=node_id,
+                replicas=replicas,
+                keep_last=local_keep_last,
+                timeout=timeout,
+                dead_after=dead_after,
+                lease_ttl=lease_ttl,
+                verify_after_write=verify_after_write,
+            )
 
     def _make_directory(self, root: str | os.PathLike[str]) -> CheckpointDirectory:
         return StepDirectory(root)
@@ -140,7 +169,7 @@ class CheckpointManager:
         *,
         content_metadata: Mapping[str, Any] | None = None,
         progress: ProgressFn | None = None,
-    ) -> AsyncSaveHandle | SaveStats:
+    ) -> AsyncSaveHandle | SaveStats | None:
         """Collective: save the sharded state dict ``state`` as step ``step``.
 
         Waits first for this manager's previous save (its failure stays on its handle). An
@@ -148,7 +177,20 @@ class CheckpointManager:
         Returns an :class:`AsyncSaveHandle` with ``async_save``, else the :class:`SaveStats`.
         A failure to update the pointer after a successful commit is raised (or set on the
         handle) on the coordinator only, since only it writes the pointer.
+
+        With a ``local_root``, a step divisible by ``local_every`` is also saved to the local
+        tier (always asynchronously; copies go to peers on other hosts in the background),
+        and only a step divisible by ``persistent_every`` goes to ``root``. Returns the
+        persistent save's result when there is one, else the local save's handle, else None
+        (nothing due at this step).
         """
+        local = None
+        if self._local is not None and step % self.local_every == 0:
+            if self._closed:
+                raise CheckpointError(f"the CheckpointManager of {self.root} is closed")
+            local = self._local.save(step_name(step), state, content_metadata=content_metadata)
+        if step % self.persistent_every != 0:
+            return local
         return self._save_named(
             step_name(step), state, content_metadata=content_metadata, progress=progress
         )
@@ -312,9 +354,56 @@ class CheckpointManager:
                 return resavable(state, result), missing, unexpected
             return resavable(state, loaded)
 
-        return self.restore_with(
+        if self._local is not None:
+            found, result = self._restore_local(state, step, load_into, fallback)
+            if found:
+                return result
+        result = self.restore_with(
             load_into, None if step is None else step_name(step), fallback=fallback
         )
+        self.restored_tier = "persistent"
+        return result
+
+    def _restore_local(
+        self, state: Any, step: int | None, load_into: Callable[[str], Any], fallback: bool
+    ) -> tuple[bool, Any]:
+        """Restore from the local tier when it holds a step, complete across the surviving
+        places, at least as new as the newest persistent one; ``(False, None)`` otherwise."""
+        local = self._local
+        assert local is not None
+        self._settle()
+        inv = local.inventory()
+        steps: list[str] = inv["steps"]
+        if step is not None:
+            steps = [n for n in steps if n == step_name(step)]
+        else:
+            comm = get_comm(self.process_group)
+            order = self._dir.restore_order() if comm.is_coordinator else None
+            order = comm.broadcast(order)
+            damaged = self._dir.damaged() if comm.is_coordinator else {}
+            damaged = comm.broadcast(damaged)
+            newest = next((n for n in order or [] if n not in damaged), None)
+            floor = parse_step(newest) if newest is not None else None
+            steps = [n for n in steps if floor is None or (parse_step(n) or 0) >= floor]
+        for index, name in enumerate(steps):
+            try:
+                result = local.restore(name, inv, state, load_into)
+            except CheckpointError as e:
+                if not fallback or (
+                    isinstance(e, DistributedError) and not is_damaged_checkpoint(e)
+                ):
+                    raise
+                local.mark_damaged(name, str(e))
+                nxt = steps[index + 1] if index + 1 < len(steps) else "the persistent tier"
+                log.warning(
+                    "restore: local step %s could not be restored (%s); trying %s", name, e, nxt
+                )
+                continue
+            self._restored = name
+            self.restored_tier = "local"
+            log.info("restore: step %s restored from the local tier", parse_step(name))
+            return True, result
+        return False, None
 
     @property
     def restored_step(self) -> int | None:
@@ -331,6 +420,7 @@ class CheckpointManager:
             self._settle()
             result = load_fn(self._dir.path(name))
             self._restored = name
+            self.restored_tier = "persistent"
             return result
         candidates = self._candidates()
         failures: list[str] = []
@@ -419,8 +509,12 @@ class CheckpointManager:
         with self._lock:
             pending = self._pending
         if pending is None:
+            if self._local is not None:
+                self._local.wait()
             return None
         handle, future = pending
+        if self._local is not None:
+            self._local.wait()
         seen = handle.observed
         try:
             exc = future.exception(timeout)
@@ -452,6 +546,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._saver.close()
+            if self._local is not None:
+                self._local.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -1,0 +1,806 @@
+"""The node-local tier: frequent checkpoints on each host's own disk, with copies on peers.
+
+Every rank writes its share of a step into its *place* (its host's local root, e.g. a RAM
+disk or local NVMe) and sends a copy of its files to ``replicas`` ranks on other hosts
+(:func:`shardsafe.peers.replica_peers`), who write them into theirs. The commit is the usual
+one (leases, the store channel with heartbeats, the coordinator's manifest), except that each
+place's leader (its lowest rank) publishes the step in its own directory: the same manifest
+everywhere, beside the data files that place holds. A local step directory is an ordinary
+shardsafe checkpoint that may lack the files held elsewhere.
+
+Restore takes an inventory of every place (an all-gather), picks the newest step whose files
+are all held somewhere, has each place fetch the files its ranks will read from whichever
+surviving rank holds them (point-to-point, :mod:`shardsafe.transfer`), verifying every copy
+it will read against the manifest's checksums first, and then loads as usual, into any
+layout. A copy found corrupt is replaced from another holder, or the step is marked damaged
+and the next one is tried.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, cast
+
+import torch
+import torch.distributed as tdist
+
+from .checksum import DEFAULT_BLOCK_BYTES, digest
+from .commit import assemble, commit
+from .directory import StepDirectory
+from .dist import error_record, get_comm, outcome, raise_for
+from .engine import DEFAULT_MAX_BUFFER, verify_written
+from .errors import CheckpointError, CorruptCheckpointError
+from .format import MANIFEST_NAME, Extent, Manifest
+from .lease import LEASE_SECONDS, Lease
+from .loading import files_to_read
+from .location import Location, locate
+from .peers import Copy, Place, complete_steps, place_ranks, plan_copies, replica_peers
+from .saver import AsyncSaveHandle
+from .saving import (
+    PlanCache,
+    PlannedSave,
+    ShareItems,
+    abort,
+    begin,
+    encode_share,
+    plan_save,
+    work_dir,
+    write_share,
+)
+from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
+from .staging import StagingPool
+from .storage import is_url
+from .transfer import exchange_files
+
+log = logging.getLogger("shardsafe")
+
+
+class LocalTier:
+    """One rank's view of the node-local tier under ``root`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        process_group: Any = None,
+        node_id: str | None = None,
+        replicas: int = 1,
+        keep_last: int = 2,
+        timeout: float = 1800.0,
+        dead_after: float = DEAD_AFTER,
+        lease_ttl: float = LEASE_SECONDS,
+        files_per_rank: int = 2,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        verify_after_write: bool = False,
+    ) -> None:
+        text = os.fspath(root)
+        if is_url(text):
+            raise CheckpointError(
+                f"local_root must be a directory on this host's own disk, not {text!r}"
+            )
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"local_keep_last must be a positive int, got {keep_last!r}")
+        self.process_group = process_group
+        self.comm = get_comm(process_group)
+        self.root = os.path.abspath(text)
+        self.host = str(node_id) if node_id is not None else socket.gethostname()
+        self.keep_last = keep_last
+        self.timeout = timeout
+        self.dead_after = dead_after
+        self.lease_ttl = lease_ttl
+        self.files_per_rank = files_per_rank
+        self.block_bytes = block_bytes
+        self.verify_after_write = verify_after_write
+        comm = self.comm
+        mine: Place = (self.host, self.root)
+        places = comm.all_gather(list(mine)) if comm.distributed else [list(mine)]
+        self.places: list[Place] = [(str(h), str(r)) for h, r in places]
+        self.place: Place = mine
+        self.ranks_of = place_ranks(self.places)
+        self.leader = self.ranks_of[mine][0] == comm.rank
+        # raises the same ValueError on every rank: every rank saw the same host list
+        self.peers = replica_peers([p[0] for p in self.places], replicas)
+        self.replicas = replicas
+        self.sources = [r for r in range(comm.world_size) if comm.rank in self.peers[r]]
+        self.dir = StepDirectory(self.root)
+        self._group: Any = None
+        if comm.distributed and comm.world_size > 1:
+            # its own gloo group: copies move from a background thread while the training loop
+            # runs collectives on the main group
+            self._group = tdist.new_group(
+                ranks=[comm.global_rank(r) for r in range(comm.world_size)],
+                backend="gloo",
+                timeout=timedelta(seconds=max(60.0, 6 * dead_after)),
+                use_local_synchronization=True,
+            )
+        self.plan_cache = PlanCache()
+        self.staging = StagingPool()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-local")
+        self._lock = threading.Lock()
+        self._inflight: AsyncSaveHandle | None = None
+        self._clients: StoreClients | None = None
+        self._active: set[str] = set()
+        if self.leader:
+            self.dir.storage.make_dir("")
+            self.dir.clean()
+
+    # -- saving -----------------------------------------------------------------------------
+    def save(
+        self,
+        name: str,
+        state: Any,
+        *,
+        content_metadata: Mapping[str, Any] | None = None,
+        on_commit: Callable[[], None] | None = None,
+    ) -> AsyncSaveHandle:
+        """Collective: stage ``state`` and return; writing, copying to peers and the commit
+        run in the background. The handle completes when every place has the step."""
+        self.settle()
+        comm = self.comm
+        t0 = time.perf_counter()
+        loc = locate(os.path.join(self.root, name))
+        planned = plan_save(
+            comm,
+            state,
+            loc,
+            True,
+            self.plan_cache,
+            content_metadata,
+            self.timeout,
+            self.lease_ttl,
+        )
+        # every other place's leader takes the lease there and makes the work directory
+        lease: Lease | None = planned.lease
+        err = None
+        if self.leader and not comm.is_coordinator:
+            lease, err = outcome(lambda: begin(loc, planned.token, True, self.lease_ttl))
+        if comm.distributed:
+            errors = [r["error"] for r in comm.all_gather({"error": err})]
+            if any(errors):
+                if lease is not None:
+                    abort(loc, planned.token, lease)
+                raise_for(errors, "local save")
+        channel = self._channel(planned, loc, lease)
+        pieces = planned.assignment.pieces
+
+        def stage() -> ShareItems:
+            data = [cast(torch.Tensor, planned.split.tensors[i][1].data) for i in pieces]
+            staged = self.staging.stage(data)
+            share = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=True)
+            share.items[:0] = [(("p", i), s) for i, s in zip(pieces, staged, strict=True)]
+            return share
+
+        share, serr = outcome(stage)
+        blocked = time.perf_counter() - t0
+        with self._lock:
+            self._active.add(name)
+
+        def background() -> Any:
+            try:
+                return self._write_copy_commit(
+                    planned, loc, lease, channel, share, serr, content_metadata, t0
+                )
+            finally:
+                with self._lock:
+                    self._active.discard(name)
+                if on_commit is not None:
+                    on_commit()
+
+        with self._lock:
+            handle = AsyncSaveHandle(self._writer.submit(background), loc.url, blocked)
+            self._inflight = handle
+        return handle
+
+    def _channel(
+        self, planned: PlannedSave, loc: Location, lease: Lease | None
+    ) -> StoreChannel | None:
+        if not self.comm.distributed:
+            return None
+        try:
+            if self._clients is None:
+                self._clients = connect()
+            return StoreChannel(
+                self.comm,
+                planned.token,
+                self._clients,
+                dead_after=self.dead_after,
+                log_every=3 * self.dead_after,
+                start_within=min(self.timeout, max(60.0, 6 * self.dead_after)),
+            )
+        except BaseException:
+            if lease is not None:
+                abort(loc, planned.token, lease)
+            raise
+
+    def _write_copy_commit(
+        self,
+        planned: PlannedSave,
+        loc: Location,
+        lease: Lease | None,
+        channel: StoreChannel | None,
+        share: ShareItems | None,
+        err: dict[str, Any] | None,
+        content_metadata: Mapping[str, Any] | None,
+        t0: float,
+    ) -> Any:
+        comm = self.comm
+        result: dict[str, Any] | None = None
+        if err is None:
+            assert share is not None
+            result, err = outcome(
+                lambda: write_share(
+                    planned,
+                    comm.rank,
+                    share,
+                    self.files_per_rank,
+                    self.block_bytes,
+                    verify_after_write=self.verify_after_write,
+                )
+            )
+        # every rank takes part in the copying, even after a failure of its own: peers wait for it
+        received, cerr = self._copy_to_peers(planned, loc, result)
+        record = {"result": result, "error": err or cerr, "received": received}
+        status = self._commit(planned, loc, lease, channel, record, content_metadata)
+        raise_for(status.get("errors") or [], "local save")
+        total = int(status.get("total_bytes", 0))
+        log.debug(
+            "rank %d: local step %s committed in %.3f s",
+            comm.rank,
+            loc.url,
+            time.perf_counter() - t0,
+        )
+        return {"total_bytes": total, "seconds": time.perf_counter() - t0}
+
+    def _copy_to_peers(
+        self, planned: PlannedSave, loc: Location, result: dict[str, Any] | None
+    ) -> tuple[dict[str, int], dict[str, Any] | None]:
+        """Send this rank's files to its peers and take its sources' files; verify each copy."""
+        if self._group is None or not self.replicas:
+            return {}, None
+        comm = self.comm
+        storage = loc.parent
+        work = work_dir(loc, planned.token)
+        offer: dict[str, Any] = {"files": {}, "extents": []}
+        if result is not None:
+            offer = {
+                "files": result["files"],
+                "extents": [*result["pieces"].values(), *result["blobs"].values()],
+            }
+        headers = self._swap_headers(json.dumps(offer).encode())
+        copies = [
+            Copy(n, int(s), comm.rank, dst)
+            for dst in self.peers[comm.rank]
+            for n, s in sorted(offer["files"].items())
+        ]
+        for src, raw in sorted(headers.items()):
+            theirs = json.loads(raw)
+            copies += [Copy(n, int(s), src, comm.rank) for n, s in sorted(theirs["files"].items())]
+        errors = exchange_files(
+            self._group,
+            comm.rank,
+            comm.global_rank,
+            copies,
+            storage,
+            lambda n: f"{work}/{n}",
+            storage,
+            lambda n: f"{work}/{n}",
+        )
+        received: dict[str, int] = {}
+        for src, raw in sorted(headers.items()):
+            theirs = json.loads(raw)
+            by_file: dict[str, list[Extent]] = {}
+            for e in theirs["extents"]:
+                by_file.setdefault(e["file"], []).append(
+                    Extent(e["file"], e["byte_offset"], e["nbytes"], tuple(e["checksums"]))
+                )
+            for n, s in sorted(theirs["files"].items()):
+                rel = f"{work}/{n}"
+                try:
+                    bad = verify_written(
+                        storage,
+                        rel,
+                        by_file.get(n, []),
+                        self.block_bytes,
+                        DEFAULT_MAX_BUFFER,
+                        evict=False,
+                    )
+                    size = storage.size(rel)
+                except Exception as e:
+                    bad, size = [str(e)], -1
+                if bad or size != s:
+                    errors.append(
+                        f"the copy of {n} from rank {src} ({self.places[src][0]}) arrived damaged on "
+                        f"rank {comm.rank} ({self.host}): {bad[0] if bad else f'{size} of {s} bytes'}"
+                    )
+                else:
+                    received[n] = s
+        if errors:
+            failure = CheckpointError(
+                f"copying local-tier files between hosts failed: {'; '.join(errors[:5])}"
+            )
+            return received, error_record(failure)
+        return received, None
+
+    def _swap_headers(self, payload: bytes) -> dict[int, bytes]:
+        """Send ``payload`` to this rank's peers; return what each of its sources sent."""
+        comm, group = self.comm, self._group
+        lengths = {src: torch.zeros(1, dtype=torch.int64) for src in self.sources}
+        mine = torch.tensor([len(payload)], dtype=torch.int64)
+        ops = [
+            tdist.isend(mine, dst=comm.global_rank(d), group=group) for d in self.peers[comm.rank]
+        ]
+        ops += [tdist.irecv(t, src=comm.global_rank(s), group=group) for s, t in lengths.items()]
+        for op in ops:
+            cast(Any, op).wait()
+        body = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if payload
+            else torch.zeros(0, dtype=torch.uint8)
+        )
+        bufs = {s: torch.empty(int(t.item()), dtype=torch.uint8) for s, t in lengths.items()}
+        ops = [
+            tdist.isend(body, dst=comm.global_rank(d), group=group) for d in self.peers[comm.rank]
+        ]
+        ops += [tdist.irecv(b, src=comm.global_rank(s), group=group) for s, b in bufs.items()]
+        for op in ops:
+            cast(Any, op).wait()
+        return {s: bytes(b.numpy()) for s, b in bufs.items()}
+
+    def _commit(
+        self,
+        planned: PlannedSave,
+        loc: Location,
+        lease: Lease | None,
+        channel: StoreChannel | None,
+        record: dict[str, Any],
+        content_metadata: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        """The coordinator assembles the manifest from every record and publishes it; each
+        place's leader then writes it beside its files and renames the step into place."""
+        comm = self.comm
+        if channel is None:
+            records = [record]
+            status = self._decide(planned, records, content_metadata)
+        else:
+            try:
+                channel.post(record)
+                if comm.is_coordinator:
+                    try:
+                        records = channel.collect()
+                    except BaseException as e:
+                        records = [{"error": error_record(e)}]
+                    status = self._decide(planned, records, content_metadata)
+                    channel.publish(status)
+                else:
+                    status = channel.await_status()
+            except BaseException:
+                if self.leader:
+                    abort(loc, planned.token, lease)
+                raise
+            finally:
+                channel.cleanup()
+        if not self.leader:
+            return status
+        if status.get("errors"):
+            abort(loc, planned.token, lease)
+            return status
+        try:
+            manifest = Manifest.from_json(status["manifest"])
+            commit(loc, planned.token, manifest, overwrite=True)
+        except Exception as e:
+            abort(loc, planned.token, lease)
+            raise CheckpointError(
+                f"local step {loc.url} could not be published on {self.host}: {e}; "
+                "the other hosts have it, restore fetches what this host lacks"
+            ) from e
+        if lease is not None:
+            try:
+                lease.release()
+            except Exception as e:  # committed: a leftover lease only expires
+                log.warning("could not release the lease of %s: %s", loc.url, e)
+        self._retain(loc.name)
+        return status
+
+    def _decide(
+        self,
+        planned: PlannedSave,
+        records: list[dict[str, Any]],
+        content_metadata: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        errors = [r.get("error") for r in records]
+        if any(errors):
+            return {"errors": errors}
+        try:
+            assert planned.coordinator_plan is not None
+            manifest = assemble(
+                planned.coordinator_plan,
+                [r["result"] for r in records],
+                content_metadata,
+                self.block_bytes,
+            )
+            for rank, r in enumerate(records):  # every file reached every peer of its writer
+                for peer in self.peers[rank]:
+                    got = records[peer].get("received") or {}
+                    for name, size in r["result"]["files"].items():
+                        if got.get(name) != size:
+                            raise CheckpointError(
+                                f"rank {peer} ({self.places[peer][0]}) did not confirm its copy of "
+                                f"{name} from rank {rank}"
+                            )
+        except Exception as e:
+            return {"errors": [error_record(e)] * len(records)}
+        return {"manifest": json.loads(manifest.dumps()), "total_bytes": manifest.total_bytes}
+
+    def _retain(self, latest: str) -> None:
+        """Leader: point ``latest`` at the new step and keep the newest ``keep_last`` intact ones."""
+        try:
+            self.dir.write_pointer(latest)
+            self.dir.unmark(latest)
+            damaged = self.dir.damaged()
+            committed = self.dir.committed()
+            intact = [n for n in committed if n not in damaged]
+            keep = {latest, *intact[-self.keep_last :]}
+            for name in committed:
+                if name not in keep:
+                    self.dir.remove(name)
+            with self._lock:
+                active = set(self._active) - {latest}
+            self.dir.clean(active)
+        except Exception as e:
+            log.warning("local tier %s: retention failed: %s", self.root, e)
+
+    def settle(self) -> None:
+        """Wait for the local save in flight; its failure stays on its handle (and in the log)."""
+        with self._lock:
+            handle, self._inflight = self._inflight, None
+        if handle is None:
+            return
+        exc = handle._future.exception()
+        if exc is not None and not handle.observed:
+            log.error("the local save into %s failed: %s", handle.path, exc)
+
+    def wait(self) -> None:
+        """Wait for the local save in flight; raise its error unless already seen."""
+        with self._lock:
+            handle, self._inflight = self._inflight, None
+        if handle is not None and not handle.observed:
+            handle.result()
+
+    def close(self) -> None:
+        try:
+            self.settle()
+        finally:
+            self._writer.shutdown(wait=True)
+            self.staging.release()
+            self._clients = None
+
+    # -- restoring --------------------------------------------------------------------------
+    def inventory(self) -> dict[str, Any]:
+        """Collective: which committed local steps each place holds, and which are complete.
+
+        Returns ``{"steps": [names, newest first, complete somewhere], "held": {place: {step:
+        {file: size}}}, "manifests": {step: {file: size}}, "digests": {step: digest}}``.
+        """
+        self.settle()
+        comm = self.comm
+        report: dict[str, Any] = {"place": list(self.place), "steps": {}}
+        if self.leader:
+            damaged = self.dir.damaged()
+            for name in self.dir.committed():
+                entry = _held(self.dir, name)
+                if entry is not None:
+                    entry["damaged"] = name in damaged
+                    report["steps"][name] = entry
+        reports = comm.all_gather(report) if comm.distributed else [report]
+        held: dict[Place, dict[str, dict[str, int]]] = {}
+        votes: dict[str, dict[str, tuple[int, dict[str, int]]]] = {}
+        damaged_anywhere: set[str] = set()
+        leaders = [
+            (self.places[r], rep)
+            for r, rep in enumerate(reports)
+            if self.ranks_of[self.places[r]][0] == r
+        ]
+        for place, rep in leaders:
+            for name, entry in rep["steps"].items():
+                if entry["damaged"]:
+                    damaged_anywhere.add(name)
+                held.setdefault(place, {})[name] = entry["held"]
+                count, files = votes.setdefault(name, {}).get(entry["digest"], (0, entry["files"]))
+                votes[name][entry["digest"]] = (count + 1, files)
+        manifests: dict[str, dict[str, int]] = {}
+        digests: dict[str, str] = {}
+        for name, by_digest in votes.items():
+            digest = max(sorted(by_digest), key=lambda d: by_digest[d][0])
+            digests[name] = digest
+            manifests[name] = by_digest[digest][1]
+        # a place whose manifest differs from the majority's holds none of that step's files
+        for place, rep in leaders:
+            for name, entry in rep["steps"].items():
+                if entry["digest"] != digests[name]:
+                    held.get(place, {}).pop(name, None)
+        complete = [n for n in complete_steps(held, manifests) if n not in damaged_anywhere]
+        return {
+            "steps": list(reversed(complete)),
+            "held": held,
+            "manifests": manifests,
+            "digests": digests,
+        }
+
+    def restore(
+        self,
+        name: str,
+        inv: Mapping[str, Any],
+        template: Any,
+        load_into: Callable[[str], Any],
+    ) -> Any:
+        """Collective: make every place hold the files of step ``name`` its ranks will read
+        (fetching verified copies from other places), then ``load_into(this place's path)``."""
+        comm = self.comm
+        token = os.urandom(8).hex()  # names this rank's partial files only
+        held: dict[Place, dict[str, int]] = {
+            p: dict(steps.get(name, {})) for p, steps in inv["held"].items()
+        }
+        for p in self.ranks_of:
+            held.setdefault(p, {})
+        has_step = {p for p, steps in inv["held"].items() if name in steps}
+        storage = self.dir.storage
+        here = self.place in has_step
+        fresh = locate(os.path.join(self.root, name)).tmp_name("restore")
+        base = name if here else fresh
+
+        def dir_of(place: Place) -> str:
+            return name if place in has_step else fresh
+
+        if not here and self.leader:
+            storage.remove_tree(fresh)  # what a crashed restore left
+        # 1. the manifest, where a place has no copy of the step
+        sizes = dict(inv["manifests"][name])
+        manifest_size = {
+            held_p.get(MANIFEST_NAME) for held_p in held.values() if MANIFEST_NAME in held_p
+        }
+        need_manifest = {p: {MANIFEST_NAME} for p in self.ranks_of if p not in has_step}
+        if need_manifest:
+            msize = max(s for s in manifest_size if s is not None)
+            self._fetch(
+                need_manifest,
+                {p: {MANIFEST_NAME: msize} for p in has_step},
+                {MANIFEST_NAME: msize},
+                dir_of,
+                token,
+                None,
+            )
+        manifest, err = outcome(lambda: _read_manifest(storage, base, inv["digests"][name]))
+        self._agree(err, f"restore of local step {name}")
+        assert manifest is not None
+        # 2. the files every rank will read
+        mine, err = outcome(lambda: sorted(files_to_read(template, manifest)))
+        needs = (
+            comm.all_gather({"error": err, "files": mine})
+            if comm.distributed
+            else [{"error": err, "files": mine}]
+        )
+        raise_for(
+            [cast(dict[str, Any], n)["error"] for n in needs], f"restore of local step {name}"
+        )
+        needed: dict[Place, set[str]] = {}
+        for rank, n in enumerate(needs):
+            needed.setdefault(self.places[rank], set()).update(n["files"])
+        extents = _extents_by_file(manifest)
+        # 3. verify the copies each place will read from its own disk
+        refused = self._verify_held(needed, held, base, extents, manifest.block_bytes)
+        # 4. fetch what is missing or bad, from places with a good copy
+        self._fetch(needed, held, sizes, dir_of, token, (extents, manifest.block_bytes), refused)
+        if not here and self.leader:
+            storage.rename(base, name)
+        if comm.distributed:
+            comm.all_gather(None)  # every place has published its directory
+        return load_into(os.path.join(self.root, name))
+
+    def _verify_held(
+        self,
+        needed: Mapping[Place, set[str]],
+        held: Mapping[Place, Mapping[str, int]],
+        base: str,
+        extents: Mapping[str, list[Extent]],
+        block_bytes: int,
+    ) -> set[tuple[Place, str]]:
+        """Each place checks the copies it will read (spread over its ranks); returns the bad ones."""
+        comm = self.comm
+        ranks = self.ranks_of[self.place]
+        mine = sorted(n for n in needed.get(self.place, set()) if n in held.get(self.place, {}))
+        mine = [n for i, n in enumerate(mine) if ranks[i % len(ranks)] == comm.rank]
+        bad: list[str] = []
+        storage = self.dir.storage
+        for n in mine:
+            try:
+                diff = verify_written(
+                    storage,
+                    f"{base}/{n}",
+                    extents.get(n, []),
+                    block_bytes,
+                    DEFAULT_MAX_BUFFER,
+                    evict=False,
+                )
+            except Exception as e:
+                diff = [str(e)]
+            if diff:
+                log.warning(
+                    "restore: the local copy of %s on %s is damaged (%s); fetching another",
+                    storage.describe(f"{base}/{n}"),
+                    self.host,
+                    diff[0],
+                )
+                bad.append(n)
+        every = comm.all_gather(bad) if comm.distributed else [bad]
+        return {(self.places[r], n) for r, names in enumerate(every) for n in names}
+
+    def _fetch(
+        self,
+        needed: Mapping[Place, set[str]],
+        held: Mapping[Place, Mapping[str, int]],
+        sizes: Mapping[str, int],
+        dir_of: Callable[[Place], str],
+        token: str,
+        check: tuple[Mapping[str, list[Extent]], int] | None,
+        refused: set[tuple[Place, str]] | None = None,
+    ) -> None:
+        """Copy files to the places that need them; a copy that arrives damaged is refused
+        and fetched again from another holder. Raises the same error on every rank when a
+        file has no intact copy left."""
+        comm = self.comm
+        refused = set(refused or ())
+        storage = self.dir.storage
+        base = dir_of(self.place)
+        for _attempt in range(len(self.ranks_of) + 1):
+            copies, unavailable = plan_copies(needed, held, sizes, self.ranks_of, refused)
+            if unavailable:
+                lost = sorted({n for names in unavailable.values() for n in names})
+                raise CorruptCheckpointError(
+                    f"no intact copy of {', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''} "
+                    f"is left on any host ({len(lost)} files)"
+                )
+            if not copies:
+                return
+            if self.leader:
+                storage.make_dir(f"{base}/data")
+            if comm.distributed:
+                comm.all_gather(None)  # the directories exist before anyone writes into them
+            errors = exchange_files(
+                self._group,
+                comm.rank,
+                comm.global_rank,
+                copies,
+                storage,
+                lambda n: f"{base}/{n}",
+                storage,
+                lambda n: _part(base, n, token),
+            )
+            failed: list[str] = []
+            for c in copies:
+                if c.dst != comm.rank:
+                    continue
+                part = _part(base, c.name, token)
+                ok = not errors
+                if ok and check is not None:
+                    extents, block_bytes = check
+                    try:
+                        diff = verify_written(
+                            storage,
+                            part,
+                            extents.get(c.name, []),
+                            block_bytes,
+                            DEFAULT_MAX_BUFFER,
+                            evict=False,
+                        )
+                        ok = not diff and storage.size(part) == c.nbytes
+                    except Exception:
+                        ok = False
+                if ok:
+                    storage.rename(part, f"{base}/{c.name}")
+                else:
+                    storage.remove_tree(part)
+                    failed.append(c.name)
+                    log.warning(
+                        "restore: the copy of %s from rank %d (%s) is damaged; trying another holder",
+                        c.name,
+                        c.src,
+                        self.places[c.src][0],
+                    )
+            if comm.distributed:
+                reports = comm.all_gather({"failed": failed, "errors": errors})
+            else:
+                reports = [{"failed": failed, "errors": errors}]
+            if any(r["errors"] for r in reports):
+                raise CheckpointError(
+                    "copying checkpoint files between hosts failed: "
+                    + "; ".join(
+                        f"rank {i}: {r['errors'][0]}" for i, r in enumerate(reports) if r["errors"]
+                    )
+                )
+            bad = {
+                (self.places[c.src], c.name)
+                for c in copies
+                for n in reports[c.dst]["failed"]
+                if n == c.name
+            }
+            if not bad:
+                return
+            refused |= bad
+            # what arrived intact is held now
+            now = {p: dict(h) for p, h in held.items()}
+            for c in copies:
+                if c.name not in reports[c.dst]["failed"]:
+                    now[self.places[c.dst]][c.name] = c.nbytes
+            held = now
+        raise CorruptCheckpointError("copies kept arriving damaged; giving up on this step")
+
+    def _agree(self, err: dict[str, Any] | None, stage: str) -> None:
+        comm = self.comm
+        if comm.distributed:
+            raise_for([r["error"] for r in comm.all_gather({"error": err})], stage)
+        elif err is not None:
+            raise_for([err], stage)
+
+    def mark_damaged(self, name: str, reason: str) -> None:
+        if self.leader and self.dir.is_committed(name):
+            try:
+                self.dir.mark_damaged(name, reason)
+            except Exception as e:
+                log.warning("could not mark %s damaged: %s", self.dir.path(name), e)
+
+
+def _part(base: str, name: str, token: str) -> str:
+    head, _, tail = name.rpartition("/")
+    return f"{base}/{head}/.{tail}.part-{token}" if head else f"{base}/.{tail}.part-{token}"
+
+
+def _held(directory: StepDirectory, name: str) -> dict[str, Any] | None:
+    """What this place holds of committed step ``name``: manifest digest, its files, ours."""
+    storage = directory.storage
+    try:
+        raw = storage.read_bytes(f"{name}/{MANIFEST_NAME}")
+        manifest = Manifest.loads(raw, storage.describe(f"{name}/{MANIFEST_NAME}"))
+    except Exception as e:
+        log.warning("local tier: skipping %s: %s", directory.path(name), e)
+        return None
+    held: dict[str, int] = {MANIFEST_NAME: len(raw)}
+    for f in manifest.files:
+        try:
+            held[f] = storage.size(f"{name}/{f}")
+        except (FileNotFoundError, OSError):
+            continue
+    return {
+        "digest": digest(raw),
+        "files": {f: e.nbytes for f, e in manifest.files.items()},
+        "held": held,
+    }
+
+
+def _read_manifest(storage: Any, base: str, expected: str) -> Manifest:
+    raw = storage.read_bytes(f"{base}/{MANIFEST_NAME}")
+    if digest(raw) != expected:
+        raise CorruptCheckpointError(
+            f"{storage.describe(f'{base}/{MANIFEST_NAME}')} differs from the other hosts' copies"
+        )
+    return Manifest.loads(raw, storage.describe(f"{base}/{MANIFEST_NAME}"))
+
+
+def _extents_by_file(manifest: Manifest) -> dict[str, list[Extent]]:
+    out: dict[str, list[Extent]] = {}
+    for entry in manifest.tensors.values():
+        for piece in entry.pieces:
+            out.setdefault(piece.extent.file, []).append(piece.extent)
+    for extent in manifest.blobs.values():
+        out.setdefault(extent.file, []).append(extent)
+    return out
+
+
+__all__ = ["LocalTier"]

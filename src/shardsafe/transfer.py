@@ -1,0 +1,156 @@
+"""Whole files sent between ranks over a process group, in bounded chunks.
+
+Every pair (sender, receiver) has one byte stream: its files back to back, in the order of
+the copy list, which both ends know (names and sizes) before anything moves. Streams advance
+in rounds: in round j every rank posts the j-th chunk of each stream it sends and receives,
+non-blocking, then waits for all of them. No rank waits for a message that its peer posts
+only after a wait of its own, so there is no deadlock, and the memory in flight is one chunk
+per stream. A rank that cannot read or write keeps taking part in every round (sending
+zeros, dropping what it receives) and reports its error afterwards, so a local failure
+never leaves a peer blocked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, BinaryIO, cast
+
+import torch
+import torch.distributed as tdist
+
+from .codec import array_view
+from .peers import Copy
+from .storage import Storage
+
+log = logging.getLogger("shardsafe")
+
+CHUNK_BYTES = 16 << 20
+
+
+def _streams(
+    copies: Sequence[Copy], rank: int
+) -> tuple[dict[int, list[Copy]], dict[int, list[Copy]]]:
+    outgoing: dict[int, list[Copy]] = {}
+    incoming: dict[int, list[Copy]] = {}
+    for c in copies:
+        if c.src == rank and c.dst != rank:
+            outgoing.setdefault(c.dst, []).append(c)
+        elif c.dst == rank and c.src != rank:
+            incoming.setdefault(c.src, []).append(c)
+    return outgoing, incoming
+
+
+def _segments(files: Sequence[Copy], start: int, stop: int) -> list[tuple[int, int, int, int]]:
+    """``(file index, offset in file, offset in chunk, length)`` covering stream bytes [start, stop)."""
+    out = []
+    base = 0
+    for i, c in enumerate(files):
+        lo, hi = max(start, base), min(stop, base + c.nbytes)
+        if lo < hi:
+            out.append((i, lo - base, lo - start, hi - lo))
+        base += c.nbytes
+        if base >= stop:
+            break
+    return out
+
+
+def exchange_files(
+    group: Any,
+    rank: int,
+    global_rank: Callable[[int], int],
+    copies: Sequence[Copy],
+    source: Storage,
+    source_rel: Callable[[str], str],
+    target: Storage,
+    target_rel: Callable[[str], str],
+    chunk_bytes: int = CHUNK_BYTES,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Send the copies this rank is the source of and receive those it is the destination of.
+
+    Files are read from ``source`` at ``source_rel(name)`` and written (created, fsynced) to
+    ``target`` at ``target_rel(name)``. Returns this rank's errors (empty on success); it
+    never raises for an I/O failure, so that every rank finishes every round.
+    """
+    outgoing, incoming = _streams(copies, rank)
+    errors: list[str] = []
+    lengths = {
+        peer: sum(c.nbytes for c in fs) for peer, fs in (*outgoing.items(), *incoming.items())
+    }
+    rounds = max((-(-n // chunk_bytes) for n in lengths.values()), default=0)
+    readers: dict[tuple[int, int], Any] = {}
+    with contextlib.ExitStack() as stack:
+        writers: dict[tuple[int, int], BinaryIO | None] = {}
+
+        def writer(src: int, index: int) -> BinaryIO | None:
+            key = (src, index)
+            if key not in writers:
+                c = incoming[src][index]
+                try:
+                    writers[key] = stack.enter_context(target.open_write(target_rel(c.name)))
+                except Exception as e:
+                    errors.append(f"cannot create {target.describe(target_rel(c.name))}: {e}")
+                    writers[key] = None
+            return writers[key]
+
+        def reader(dst: int, index: int) -> Any:
+            key = (dst, index)
+            if key not in readers:
+                c = outgoing[dst][index]
+                readers[key] = source.open_read(source_rel(c.name))
+            return readers[key]
+
+        try:
+            for j in range(rounds):
+                start = j * chunk_bytes
+                ops = []
+                received: list[tuple[int, torch.Tensor, int]] = []
+                for dst, files in sorted(outgoing.items()):
+                    stop = min(start + chunk_bytes, lengths[dst])
+                    if stop <= start:
+                        continue
+                    buf = torch.zeros(stop - start, dtype=torch.uint8)
+                    view = array_view(buf.numpy())
+                    for i, off, at, n in _segments(files, start, stop):
+                        try:
+                            reader(dst, i).read_into(off, view[at : at + n])
+                        except Exception as e:
+                            name = files[i].name
+                            msg = f"cannot read {source.describe(source_rel(name))}: {e}"
+                            if msg not in errors:
+                                errors.append(msg)
+                    ops.append(tdist.isend(buf, dst=global_rank(dst), group=group))
+                for src in sorted(incoming):
+                    stop = min(start + chunk_bytes, lengths[src])
+                    if stop <= start:
+                        continue
+                    buf = torch.empty(stop - start, dtype=torch.uint8)
+                    ops.append(tdist.irecv(buf, src=global_rank(src), group=group))
+                    received.append((src, buf, stop))
+                for op in ops:
+                    cast(Any, op).wait()
+                for src, buf, stop in received:
+                    view = array_view(buf.numpy())
+                    for i, _off, at, n in _segments(incoming[src], start, stop):
+                        f = writer(src, i)
+                        if f is None:
+                            continue
+                        try:
+                            f.write(view[at : at + n])
+                        except Exception as e:
+                            errors.append(f"cannot write {target_rel(incoming[src][i].name)}: {e}")
+                            writers[(src, i)] = None
+                    if on_bytes is not None:
+                        on_bytes(stop - start)
+            # files of length 0 get no round: create them too
+            for src, files in incoming.items():
+                for i, c in enumerate(files):
+                    if c.nbytes == 0:
+                        writer(src, i)
+        finally:
+            for r in readers.values():
+                with contextlib.suppress(Exception):
+                    r.close()
+    return errors

@@ -1,0 +1,270 @@
+"""The node-local tier with copies on peers, on one machine: each "host" is a node id with
+its own local root. Training runs on 2 + 2 ranks with local saves every step and persistent
+saves every 10; one host is killed mid-save and its local root deleted; a restart with 3 ranks
+(one on a fresh host) resumes from the newest *local* step, exactly as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardsafe import CheckpointManager, ShardedTensor
+from shardsafe.peers import Copy, complete_steps, plan_copies, replica_peers
+from tests.distributed import RankFailure, preload_forkserver, run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+ROWS, COLS = 12, 6
+LR, MOMENTUM = 0.01, 0.9
+
+
+def target(step: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float64).reshape(ROWS, COLS).sin() * (1 + step % 3)
+
+
+def train_step(w: torch.Tensor, m: torch.Tensor, rows: slice, step: int) -> None:
+    """One SGD-with-momentum step on an elementwise loss: any row split gives the same bits."""
+    g = 2 * (w - target(step)[rows])
+    m.mul_(MOMENTUM).add_(g)
+    w.sub_(LR * m)
+
+
+def reference(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uninterrupted run on one process, after ``step`` steps."""
+    w = torch.zeros(ROWS, COLS, dtype=torch.float64)
+    m = torch.zeros_like(w)
+    for s in range(1, step + 1):
+        train_step(w, m, slice(0, ROWS), s)
+    return w, m
+
+
+def rows_of(rank: int, world: int) -> slice:
+    per = ROWS // world
+    return slice(rank * per, (rank + 1) * per)
+
+
+def state_of(rank: int, world: int, w: torch.Tensor, m: torch.Tensor, step: int) -> dict[str, Any]:
+    return {
+        "model": {"w": ShardedTensor.from_rank_offsets("model.w", w, (0, rank, world))},
+        "optim": {"m": ShardedTensor.from_rank_offsets("optim.m", m, (0, rank, world))},
+        "step": step,
+    }
+
+
+def manager(tmp: str, host: str, **kw: Any) -> CheckpointManager:
+    return CheckpointManager(
+        f"{tmp}/persistent",
+        local_root=f"{tmp}/local/{host}",
+        node_id=host,
+        local_every=1,
+        persistent_every=10,
+        replicas=1,
+        dead_after=2.0,
+        **kw,
+    )
+
+
+def _train(
+    rank: int,
+    world: int,
+    tmp: str,
+    hosts: list[str],
+    first: int,
+    last: int,
+    kill: dict[str, Any] | None,
+) -> Any:
+    host = hosts[rank]
+    mgr = manager(tmp, host)
+    per = ROWS // world
+    w = torch.zeros(per, COLS, dtype=torch.float64, requires_grad=False)
+    m = torch.zeros_like(w)
+    state = state_of(rank, world, w, m, 0)
+    start = 0
+    if first > 1:
+        state = mgr.restore(state)
+        start = state["step"]
+        assert mgr.restored_step == start
+    for step in range(start + 1, last + 1):
+        train_step(w, m, rows_of(rank, world), step)
+        state["step"] = step
+        mgr.save(step, state)
+        if kill and step == kill["step"]:
+            if host == kill["host"]:
+                os.kill(os.getpid(), signal.SIGKILL)  # the whole host, mid-save
+            try:
+                mgr.wait()
+            except Exception as e:
+                return {"error": str(e)}
+            raise AssertionError("the save survived a dead host")
+        mgr.wait()
+    mgr.close()
+    return {"step": state["step"], "tier": mgr.restored_tier, "w": w.clone(), "m": m.clone()}
+
+
+def _restore(rank: int, world: int, tmp: str, hosts: list[str]) -> Any:
+    mgr = manager(tmp, hosts[rank])
+    per = ROWS // world
+    w = torch.full((per, COLS), float("nan"), dtype=torch.float64)
+    m = torch.full_like(w, float("nan"))
+    state = mgr.restore(state_of(rank, world, w, m, 0))
+    mgr.close()
+    return {
+        "step": state["step"],
+        "restored": mgr.restored_step,
+        "tier": mgr.restored_tier,
+        "w": w,
+        "m": m,
+    }
+
+
+def check_exact(results: list[dict[str, Any]], step: int) -> None:
+    w_ref, m_ref = reference(step)
+    world = len(results)
+    for rank, r in enumerate(results):
+        assert r["step"] == step
+        assert torch.equal(r["w"], w_ref[rows_of(rank, world)]), f"rank {rank} w differs"
+        assert torch.equal(r["m"], m_ref[rows_of(rank, world)]), f"rank {rank} m differs"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """13 committed steps on hosts a (ranks 0, 1) and b (ranks 2, 3); b is killed while
+    saving step 14. Persistent steps: 10 only."""
+    preload_forkserver("shardsafe")
+    tmp = tmp_path_factory.mktemp("tiers")
+    hosts = ["a", "a", "b", "b"]
+    with pytest.raises(RankFailure) as info:
+        run_ranks(
+            _train,
+            4,
+            str(tmp),
+            hosts,
+            1,
+            20,
+            {"step": 14, "host": "b"},
+            timeout=240,
+            start_method="forkserver",
+        )
+    errors = info.value.errors
+    assert sorted(errors) == [2, 3], errors
+    return tmp
+
+
+def fresh_copy(trained: Path, tmp_path: Path) -> Path:
+    shutil.copytree(trained, tmp_path / "run", symlinks=True)
+    return tmp_path / "run"
+
+
+def test_persistent_and_local_steps_after_training(trained: Path) -> None:
+    assert sorted(os.listdir(trained / "persistent")) == ["latest", "step_000000010"]
+    for host in ("a", "b"):
+        steps = sorted(n for n in os.listdir(trained / "local" / host) if n.startswith("step_"))
+        assert steps == ["step_000000012", "step_000000013"], (host, steps)
+
+
+def test_lost_host_resumes_from_newest_local_step_in_new_layout(
+    trained: Path, tmp_path: Path
+) -> None:
+    run = fresh_copy(trained, tmp_path)
+    shutil.rmtree(run / "local" / "b")  # host b is gone with its disk
+    # restart on 3 ranks: two on host a, one on a fresh host c; train on to step 20
+    results = run_ranks(
+        _train, 3, str(run), ["a", "a", "c"], 2, 20, None, timeout=240, start_method="forkserver"
+    )
+    assert all(r["tier"] == "local" for r in results)
+    check_exact(results, 20)
+    assert (run / "persistent" / "step_000000020" / "manifest.json").exists()
+
+
+def test_damaged_only_copy_falls_back_a_step(trained: Path, tmp_path: Path, caplog: Any) -> None:
+    run = fresh_copy(trained, tmp_path)
+    shutil.rmtree(run / "local" / "b")
+    # host a holds the only copy of rank 2's files for step 13: flip a byte in one
+    data = run / "local" / "a" / "step_000000013" / "data"
+    victim = sorted(
+        p for p in data.iterdir() if p.name.startswith("rank_00002") or "00002" in p.name
+    )[0]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    victim.write_bytes(bytes(raw))
+    results = run_ranks(
+        _restore, 3, str(run), ["a", "a", "c"], timeout=240, start_method="forkserver"
+    )
+    assert {r["restored"] for r in results} == {12}
+    assert all(r["tier"] == "local" for r in results)
+    check_exact(results, 12)
+    assert (run / "local" / "a" / ".step_000000013.shardsafe-damaged").exists()
+
+
+def test_damaged_copy_is_replaced_from_its_other_holder(trained: Path, tmp_path: Path) -> None:
+    run = fresh_copy(trained, tmp_path)
+    # both hosts survive; host a's replica of one of rank 2's files is corrupt, host b's original is fine
+    data = run / "local" / "a" / "step_000000013" / "data"
+    victim = sorted(p for p in data.iterdir() if "00002" in p.name)[0]
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    # rank 2 on host a reads rows 8-11: the bad copy's rows, which host b holds too
+    results = run_ranks(
+        _restore, 3, str(run), ["a", "b", "a"], timeout=240, start_method="forkserver"
+    )
+    assert {r["restored"] for r in results} == {13}
+    assert all(r["tier"] == "local" for r in results)
+    check_exact(results, 13)
+    # host a's copy was replaced by host b's intact one
+    assert (
+        victim.read_bytes()
+        == (run / "local" / "b" / "step_000000013" / "data" / victim.name).read_bytes()
+    )
+
+
+def test_persistent_tier_when_no_local_step_is_complete(trained: Path, tmp_path: Path) -> None:
+    run = fresh_copy(trained, tmp_path)
+    shutil.rmtree(run / "local")  # every local disk lost
+    results = run_ranks(_restore, 2, str(run), ["c", "d"], timeout=240, start_method="forkserver")
+    assert {r["restored"] for r in results} == {10}
+    assert all(r["tier"] == "persistent" for r in results)
+    check_exact(results, 10)
+
+
+# -- pure planning ----------------------------------------------------------------------------
+
+
+def test_replica_peers_are_on_other_hosts() -> None:
+    hosts = ["a", "a", "b", "b", "c", "c"]
+    peers = replica_peers(hosts, 2)
+    for rank, targets in enumerate(peers):
+        assert len(set(hosts[t] for t in targets)) == 2
+        assert hosts[rank] not in {hosts[t] for t in targets}
+    received = [sum(rank in t for t in peers) for rank in range(len(hosts))]
+    assert received == [2] * 6
+    with pytest.raises(ValueError, match="at least 2 hosts"):
+        replica_peers(["a", "a"], 1)
+    assert replica_peers(["a"], 0) == [[]]
+
+
+def test_plan_copies_fetches_only_what_is_missing_or_refused() -> None:
+    A, B, C = ("a", "/l"), ("b", "/l"), ("c", "/l")
+    held = {A: {"f1": 10, "f2": 20}, B: {"f2": 20, "f3": 5}, C: {}}
+    sizes = {"f1": 10, "f2": 20, "f3": 5}
+    ranks = {A: [0, 1], B: [2], C: [3]}
+    copies, lost = plan_copies({A: {"f1", "f3"}, C: {"f2"}}, held, sizes, ranks)
+    assert lost == {}
+    assert Copy("f3", 5, 2, 0) in copies
+    assert [c for c in copies if c.name == "f1"] == []
+    assert {c.name for c in copies if c.dst == 3} == {"f2"}
+    copies, lost = plan_copies({A: {"f2"}}, held, sizes, ranks, {(A, "f2")})
+    assert [(c.name, c.src) for c in copies] == [("f2", 2)]
+    _, lost = plan_copies({C: {"f1"}}, held, sizes, ranks, {(A, "f1")})
+    assert lost == {C: ["f1"]}
+    assert complete_steps(
+        {A: {"s1": {"f1": 10}}, B: {"s1": {"f2": 20}}}, {"s1": {"f1": 10, "f2": 20}}
+    ) == ["s1"]
+    assert complete_steps({A: {"s1": {"f1": 9}}}, {"s1": {"f1": 10}}) == []
