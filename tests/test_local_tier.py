@@ -268,3 +268,41 @@ def test_plan_copies_fetches_only_what_is_missing_or_refused() -> None:
         {A: {"s1": {"f1": 10}}, B: {"s1": {"f2": 20}}}, {"s1": {"f1": 10, "f2": 20}}
     ) == ["s1"]
     assert complete_steps({A: {"s1": {"f1": 9}}}, {"s1": {"f1": 10}}) == []
+
+
+def _drained(rank: int, world: int, tmp: str) -> Any:
+    host = "ab"[rank]
+    mgr = manager(tmp, host, drain=True)
+    mgr.persistent_every = 2
+    w = torch.zeros(ROWS // world, COLS, dtype=torch.float64)
+    m = torch.zeros_like(w)
+    state = state_of(rank, world, w, m, 0)
+    for step in range(1, 5):
+        train_step(w, m, rows_of(rank, world), step)
+        state["step"] = step
+        mgr.save(step, state)
+    mgr.close()
+    return None
+
+
+def test_drain_copies_local_steps_to_the_persistent_tier(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from shardsafe import load
+
+    run_ranks(_drained, 2, str(tmp_path), timeout=240, start_method="forkserver")
+    persistent = tmp_path / "persistent"
+    assert sorted(os.listdir(persistent)) == ["latest", "step_000000002", "step_000000004"]
+    assert (persistent / "latest").read_text().strip() == "step_000000004"
+    ok = subprocess.run(
+        [sys.executable, "-m", "shardsafe", "verify", str(persistent / "step_000000004")],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    w = torch.zeros(ROWS, COLS, dtype=torch.float64)
+    m = torch.zeros_like(w)
+    loaded = load(state_of(0, 1, w, m, 0), persistent / "step_000000004")
+    assert loaded["step"] == 4
+    check_exact([{"step": 4, "w": w, "m": m}], 4)

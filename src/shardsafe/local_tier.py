@@ -18,14 +18,17 @@ and the next one is tried.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, cast
 
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as tdist
 
 from .checksum import DEFAULT_BLOCK_BYTES, digest
-from .commit import assemble, commit
+from .commit import assemble, check_files, commit
 from .directory import StepDirectory
 from .dist import error_record, get_comm, outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
@@ -61,6 +64,15 @@ from .storage import is_url
 from .transfer import exchange_files
 
 log = logging.getLogger("shardsafe")
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Copy a committed local step into the persistent tier instead of saving it twice."""
+
+    loc: Location  # the persistent checkpoint to create
+    lease_ttl: float
+    on_commit: Callable[[], None]  # the coordinator's bookkeeping once it committed
 
 
 class LocalTier:
@@ -140,9 +152,11 @@ class LocalTier:
         *,
         content_metadata: Mapping[str, Any] | None = None,
         on_commit: Callable[[], None] | None = None,
+        drain: Drain | None = None,
     ) -> AsyncSaveHandle:
         """Collective: stage ``state`` and return; writing, copying to peers and the commit
-        run in the background. The handle completes when every place has the step."""
+        run in the background. The handle completes when every place has the step (and,
+        with ``drain``, when its copy in the persistent tier has committed too)."""
         self.settle()
         comm = self.comm
         t0 = time.perf_counter()
@@ -185,9 +199,12 @@ class LocalTier:
 
         def background() -> Any:
             try:
-                return self._write_copy_commit(
+                done = self._write_copy_commit(
                     planned, loc, lease, channel, share, serr, content_metadata, t0
                 )
+                if drain is not None:
+                    done["drained"] = self._drain(planned, done, drain)
+                return done
             finally:
                 with self._lock:
                     self._active.discard(name)
@@ -257,7 +274,99 @@ class LocalTier:
             loc.url,
             time.perf_counter() - t0,
         )
-        return {"total_bytes": total, "seconds": time.perf_counter() - t0}
+        return {
+            "total_bytes": total,
+            "seconds": time.perf_counter() - t0,
+            "files": sorted((result or {}).get("files", {})),
+            "manifest": status["manifest"],
+        }
+
+    def _drain(self, planned: PlannedSave, done: dict[str, Any], drain: Drain) -> float:
+        """Copy every rank's own files of the committed local step into a new persistent
+        checkpoint and commit it with the same manifest (same leases, channel and checks as
+        any save); returns the seconds it took."""
+        comm = self.comm
+        t0 = time.perf_counter()
+        token = uuid.uuid4().hex[:16] if not comm.distributed else planned.token[:12] + "dr"
+        ploc = drain.loc
+        parent = ploc.parent
+        work = work_dir(ploc, token)
+
+        def target(name: str) -> str:
+            return name if parent.atomic_rename else name.replace(".bin", f"-{token}.bin")
+
+        begin_channel = self._channel_for(token + "b")
+        lease: Lease | None = None
+        status: dict[str, Any] = {}
+        if comm.is_coordinator:
+            lease, err = outcome(lambda: begin(ploc, token, True, drain.lease_ttl))
+            status = {"errors": [err] * comm.world_size} if err else {}
+            if begin_channel is not None:
+                begin_channel.publish(status)
+        elif begin_channel is not None:
+            status = begin_channel.await_status()
+        if begin_channel is not None:
+            begin_channel.cleanup()
+        raise_for(status.get("errors") or [], "drain to the persistent tier")
+        source = self.dir.storage
+        name = planned.loc.name
+
+        def copy_mine() -> dict[str, int]:
+            sizes = {}
+            for f in done["files"]:
+                sizes[target(f)] = _copy_file(source, f"{name}/{f}", parent, f"{work}/{target(f)}")
+            return sizes
+
+        copied, err = outcome(copy_mine)
+        channel = self._channel_for(token + "c")
+        record = {"error": err, "files": copied}
+        if channel is None:
+            records = [record]
+        else:
+            channel.post(record)
+        if comm.is_coordinator:
+            try:
+                records = channel.collect() if channel is not None else records
+                errors = [r.get("error") for r in records]
+                if any(errors):
+                    abort(ploc, token, lease)
+                    status = {"errors": errors}
+                else:
+                    manifest = _renamed(Manifest.from_json(done["manifest"]), target)
+                    check_files(ploc, token, manifest)
+                    if lease is not None:
+                        lease.check()
+                    commit(ploc, token, manifest, overwrite=True)
+                    if lease is not None:
+                        lease.release()
+                    drain.on_commit()
+                    status = {}
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    abort(ploc, token, lease)
+                status = {"errors": [error_record(e)] * comm.world_size}
+            if channel is not None:
+                channel.publish(status)
+        elif channel is not None:
+            status = channel.await_status()
+        if channel is not None:
+            channel.cleanup()
+        raise_for(status.get("errors") or [], "drain to the persistent tier")
+        return time.perf_counter() - t0
+
+    def _channel_for(self, token: str) -> StoreChannel | None:
+        if not self.comm.distributed:
+            return None
+        if self._clients is None:
+            self._clients = connect()
+        return StoreChannel(
+            self.comm,
+            token,
+            self._clients,
+            dead_after=self.dead_after,
+            log_every=3 * self.dead_after,
+            start_within=min(self.timeout, max(60.0, 6 * self.dead_after)),
+        )
 
     def _copy_to_peers(
         self, planned: PlannedSave, loc: Location, result: dict[str, Any] | None
@@ -755,6 +864,40 @@ class LocalTier:
                 self.dir.mark_damaged(name, reason)
             except Exception as e:
                 log.warning("could not mark %s damaged: %s", self.dir.path(name), e)
+
+
+def _copy_file(source: Any, src: str, target: Any, dst: str, chunk: int = 16 << 20) -> int:
+    """Copy ``src`` to ``dst`` (a new file, fsynced); returns its size."""
+    size = int(source.size(src))
+    buf = bytearray(min(chunk, max(size, 1)))
+    reader = source.open_read(src)
+    try:
+        with target.open_write(dst) as out:
+            for start in range(0, size, chunk):
+                n = min(chunk, size - start)
+                view = memoryview(buf)[:n]
+                reader.read_into(start, view)
+                out.write(view)
+    finally:
+        reader.close()
+    return size
+
+
+def _renamed(manifest: Manifest, rename: Callable[[str], str]) -> Manifest:
+    """``manifest`` with every data file renamed (object stores name files by save)."""
+
+    def ext(e: Extent) -> Extent:
+        return replace(e, file=rename(e.file))
+
+    return replace(
+        manifest,
+        files={rename(k): v for k, v in manifest.files.items()},
+        tensors={
+            k: replace(t, pieces=tuple(replace(p, extent=ext(p.extent)) for p in t.pieces))
+            for k, t in manifest.tensors.items()
+        },
+        blobs={k: ext(e) for k, e in manifest.blobs.items()},
+    )
 
 
 def _part(base: str, name: str, token: str) -> str:

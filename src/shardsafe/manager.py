@@ -41,7 +41,8 @@ from .errors import (
 )
 from .lease import LEASE_SECONDS
 from .loading import StrictHandling, load
-from .local_tier import LocalTier
+from .local_tier import Drain, LocalTier
+from .location import locate
 from .saver import AsyncSaveHandle, Saver
 from .saving import SaveStats
 from .sharding import (
@@ -87,6 +88,7 @@ class CheckpointManager:
         replicas: int = 1,
         node_id: str | None = None,
         local_keep_last: int = 2,
+        drain: bool = False,
     ) -> None:
         for what, value in (
             ("keep_last", keep_last),
@@ -122,6 +124,8 @@ class CheckpointManager:
         """``"local"`` or ``"persistent"``: where the last :meth:`restore` read from."""
         self.local_every = local_every
         self.persistent_every = persistent_every
+        # a step due in both tiers is saved locally, then copied to root in the background
+        self.drain = drain
         if get_comm(process_group).is_coordinator:
             self._dir.storage.make_dir("")
             self.cleanup()
@@ -185,11 +189,39 @@ class CheckpointManager:
         (nothing due at this step).
         """
         local = None
+        persistent = step % self.persistent_every == 0
         if self._local is not None and step % self.local_every == 0:
             if self._closed:
                 raise CheckpointError(f"the CheckpointManager of {self.root} is closed")
-            local = self._local.save(step_name(step), state, content_metadata=content_metadata)
-        if step % self.persistent_every != 0:
+            name = step_name(step)
+            drain = None
+            if persistent and self.drain:
+                self._settle()
+                with self._lock:
+                    self._active.add(name)
+
+                drain = Drain(
+                    locate(self._dir.path(name)),
+                    self._saver.lease_ttl,
+                    lambda: self._after_commit(name),
+                )
+
+            def settled() -> None:
+                if drain is not None:
+                    with self._lock:
+                        self._active.discard(name)
+
+            try:
+                local = self._local.save(
+                    name, state, content_metadata=content_metadata, on_commit=settled, drain=drain
+                )
+            except BaseException:
+                with self._lock:
+                    self._active.discard(name)
+                raise
+            if drain is not None:
+                return local
+        if not persistent:
             return local
         return self._save_named(
             step_name(step), state, content_metadata=content_metadata, progress=progress
