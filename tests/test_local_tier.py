@@ -15,47 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from shardsafe import CheckpointManager, ShardedTensor
+from shardsafe import CheckpointManager
 from shardsafe.peers import Copy, complete_steps, plan_copies, replica_peers
 from tests.distributed import RankFailure, preload_forkserver, run_ranks
+from tests.tierstate import COLS, ROWS, reference, rows_of, state_of, train_step
 
 pytestmark = pytest.mark.timeout(300)
-
-ROWS, COLS = 12, 6
-LR, MOMENTUM = 0.01, 0.9
-
-
-def target(step: int) -> torch.Tensor:
-    return torch.arange(ROWS * COLS, dtype=torch.float64).reshape(ROWS, COLS).sin() * (1 + step % 3)
-
-
-def train_step(w: torch.Tensor, m: torch.Tensor, rows: slice, step: int) -> None:
-    """One SGD-with-momentum step on an elementwise loss: any row split gives the same bits."""
-    g = 2 * (w - target(step)[rows])
-    m.mul_(MOMENTUM).add_(g)
-    w.sub_(LR * m)
-
-
-def reference(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The uninterrupted run on one process, after ``step`` steps."""
-    w = torch.zeros(ROWS, COLS, dtype=torch.float64)
-    m = torch.zeros_like(w)
-    for s in range(1, step + 1):
-        train_step(w, m, slice(0, ROWS), s)
-    return w, m
-
-
-def rows_of(rank: int, world: int) -> slice:
-    per = ROWS // world
-    return slice(rank * per, (rank + 1) * per)
-
-
-def state_of(rank: int, world: int, w: torch.Tensor, m: torch.Tensor, step: int) -> dict[str, Any]:
-    return {
-        "model": {"w": ShardedTensor.from_rank_offsets("model.w", w, (0, rank, world))},
-        "optim": {"m": ShardedTensor.from_rank_offsets("optim.m", m, (0, rank, world))},
-        "step": step,
-    }
 
 
 def manager(tmp: str, host: str, **kw: Any) -> CheckpointManager:

@@ -52,17 +52,25 @@ class Hosts:
         nnodes: int,
         port: int,
         private: Path | None = None,
+        disk: tuple[Path, Path] | None = None,
+        rdzv_host: int = 0,
     ) -> subprocess.Popen[str]:
-        """torchrun on host ``i``: its own hostname, PIDs and mounts, in its network namespace."""
+        """torchrun on host ``i``: its own hostname, PIDs and mounts, in its network namespace.
+        ``disk=(source, path)`` bind-mounts the host's own directory over ``path``: a node-local
+        disk only this host sees, which outlives the host's processes."""
         mounts = f"mount --make-rprivate / && mount --bind {self.hosts_file} /etc/hosts"
         if private is not None:
             mounts += f" && mount -t tmpfs tmpfs {private}"
+        extra: list[str] = []
+        if disk is not None:
+            mounts += f" && mount --bind {disk[0]} {disk[1]}"
+            extra = [str(disk[1])]
         run = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.ips[0] if nnodes > 1 else self.ips[i]}:{port}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.ips[rdzv_host] if nnodes > 1 else self.ips[i]}:{port}",
             "--rdzv-id=twohosts", "--max-restarts=0", "--monitor-interval=0.5",
-            str(HERE / "twohosts_worker.py"), mode, str(root), str(marker),
+            str(HERE / "twohosts_worker.py"), mode, str(root), str(marker), *extra,
         ]  # fmt: skip
         script = f"hostname {self.hostnames[i]} && {mounts} && exec {' '.join(run)}"
         env = {
@@ -212,3 +220,88 @@ def test_a_host_without_the_shared_root_fails_the_save_everywhere(
             host = reps[r]["host"]
             assert f"rank {r} on host {host} cannot see the work directory" in err, err
     assert os.listdir(root) == []  # nothing committed on the shared root, nothing left
+
+
+@pytest.mark.timeout(400)
+def test_local_tier_host_lost_restart_with_three_ranks_resumes_from_local_step(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """Each host has its own local disk (a directory bind-mounted over the same path); the
+    coordinator's host is killed while saving step 14 and its disk is lost; the job restarts
+    with 3 ranks (2 on the survivor, 1 on a replacement host with an empty disk) and resumes
+    from the newest local step (persistent has only step 10), exactly as an uninterrupted run."""
+    root, marker = tmp_path / "persistent", tmp_path / "killed"
+    local = tmp_path / "local"  # the mount point; each host binds its own disk here
+    disks = (tmp_path / "disk-a", tmp_path / "disk-b")
+    for d in (root, local, *disks):
+        d.mkdir()
+    port = free_port()
+    procs = [
+        hosts.start(i, "tier", root, marker, 2, 2, port, disk=(disks[i], local)) for i in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert all(p.poll() is None for p in procs), "".join(_finish(p, 5) for p in procs)
+            assert time.monotonic() < deadline, "step 14 was never reached"
+            time.sleep(0.2)
+        dead = hosts.hostnames.index(marker.read_text())
+        other = 1 - dead
+        procs[dead].send_signal(signal.SIGKILL)
+        procs[dead].wait(30)
+        out = _finish(procs[other], 120)
+        assert procs[other].returncode != 0, out
+        assert sorted(os.listdir(root)) == ["latest", "step_000000010"]
+        held = sorted(n for n in os.listdir(disks[other]) if n.startswith("step_"))
+        # the killed coordinator may have committed step 14 before it died (its writer thread
+        # runs on while the training thread waits): the survivor then holds 13 and 14
+        assert held in (["step_000000012", "step_000000013"], ["step_000000013", "step_000000014"])
+        newest = int(held[-1].removeprefix("step_"))
+        shutil.rmtree(disks[dead])  # the dead host's disk is lost with it
+        disks[dead].mkdir()  # its replacement starts empty
+
+        marker2 = tmp_path / "resumed"
+        port2 = free_port()
+        # the survivor's agent hosts the rendezvous: node rank 0 there
+        resumed = [
+            hosts.start(
+                other,
+                "tier-resume",
+                root,
+                marker2,
+                2,
+                2,
+                port2,
+                disk=(disks[other], local),
+                rdzv_host=other,
+            ),
+        ]
+        procs += resumed
+        time.sleep(1.0)
+        procs.append(
+            hosts.start(
+                dead,
+                "tier-resume",
+                root,
+                marker2,
+                1,
+                2,
+                port2,
+                disk=(disks[dead], local),
+                rdzv_host=other,
+            )
+        )
+        outs = [_finish(p, 240) for p in procs[2:]]
+        assert all(p.returncode == 0 for p in procs[2:]), "\n".join(outs)
+        reps = _reports(marker2, 3)
+        assert sorted(r["host"] for r in reps) == sorted(
+            [hosts.hostnames[other]] * 2 + [hosts.hostnames[dead]]
+        )
+        assert all(r["restored"] == newest and r["tier"] == "local" for r in reps), reps
+        assert all(r["exact"] for r in reps), reps
+        assert (root / "step_000000020" / "manifest.json").exists()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()

@@ -6,7 +6,10 @@
 its share is written and then waits to be killed with its host. ``resume``: restore the
 latest step, report what is left of step 3, wait for its lease to expire, clean up, save
 steps 3 and 4. ``private``: save into ROOT (over which one host has its own file system)
-and report the error.
+and report the error. ``tier``: train with a node-local tier (LOCAL, the host's own disk)
+every step and persistent saves every 10; after step 13 rank 0 writes MARKER in the middle of
+saving step 14 and waits to be killed with its host. ``tier-resume``: restore (from the newest
+complete local step), report it, train on to step 20 and compare with an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -46,12 +49,68 @@ def template(rank: int, world: int) -> tuple[dict[str, Any], torch.Tensor]:
     return {"w": ShardedTensor.from_rank_offsets("w", t, (0, rank, world)), "step": None}, t
 
 
+def tiered(root: str, local: str) -> CheckpointManager:
+    return CheckpointManager(
+        root,
+        local_root=local,
+        local_every=1,
+        persistent_every=10,
+        replicas=1,
+        dead_after=3.0,
+        lease_ttl=LEASE_TTL,
+    )
+
+
+def train_with_tiers(mode: str, root: str, marker: str, local: str, report: dict[str, Any]) -> None:
+    from tierstate import COLS, ROWS, reference, rows_of, state_of, train_step
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = tiered(root, local)
+    w = torch.full((ROWS // world, COLS), float("nan"), dtype=torch.float64)
+    opt = torch.full_like(w, float("nan"))
+    st = state_of(rank, world, w, opt, 0)
+    start = 0
+    if mode == "tier":
+        w.zero_()
+        opt.zero_()
+    else:
+        st = m.restore(st)
+        start = st["step"]
+        report["restored"] = m.restored_step
+        report["tier"] = m.restored_tier
+    for step in range(start + 1, 21):
+        train_step(w, opt, rows_of(rank, world), step)
+        st["step"] = step
+        m.save(step, st)
+        if mode == "tier" and step == 14:
+            if rank == 0:
+                Path(marker).write_text(socket.gethostname())
+                time.sleep(600)  # until the host is killed
+            try:
+                m.wait()
+                report["error"] = None
+            except Exception as e:
+                report["error"] = str(e)
+            Path(f"{marker}.rank{rank}.json").write_text(json.dumps(report))
+            os._exit(1)
+        m.wait()
+    w_ref, m_ref = reference(20)
+    report["exact"] = bool(
+        torch.equal(w, w_ref[rows_of(rank, world)])
+        and torch.equal(opt, m_ref[rows_of(rank, world)])
+    )
+    report["local_steps"] = sorted(n for n in os.listdir(local) if n.startswith("step_"))
+    m.close()
+
+
 def main() -> None:
     mode, root, marker = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     report: dict[str, Any] = {"host": socket.gethostname(), "world": world}
-    if mode == "save":
+    if mode in ("tier", "tier-resume"):
+        train_with_tiers(mode, root, marker, sys.argv[4], report)
+    elif mode == "save":
         m = CheckpointManager(root, async_save=False, dead_after=3.0, lease_ttl=LEASE_TTL)
         for step in (1, 2):
             m.save(step, state(rank, world, step))

@@ -118,8 +118,21 @@ class LocalTier:
         self.place: Place = mine
         self.ranks_of = place_ranks(self.places)
         self.leader = self.ranks_of[mine][0] == comm.rank
-        # raises the same ValueError on every rank: every rank saw the same host list
-        self.peers = replica_peers([p[0] for p in self.places], replicas)
+        hosts = [p[0] for p in self.places]
+        distinct = len(set(hosts))
+        if replicas > distinct - 1:
+            # a job restarted on fewer hosts must still restore and train: say loudly what is lost
+            log.warning(
+                "local tier: replicas=%d but the ranks run on %d host(s) (%s): local steps get "
+                "%d copies on other hosts and do not survive losing %s",
+                replicas,
+                distinct,
+                ", ".join(sorted(set(hosts))),
+                distinct - 1,
+                "that host" if distinct == 1 else "more hosts",
+            )
+            replicas = distinct - 1
+        self.peers = replica_peers(hosts, replicas)
         self.replicas = replicas
         self.sources = [r for r in range(comm.world_size) if comm.rank in self.peers[r]]
         self.dir = StepDirectory(self.root)
