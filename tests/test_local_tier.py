@@ -128,10 +128,23 @@ def fresh_copy(trained: Path, tmp_path: Path) -> Path:
 
 
 def test_persistent_and_local_steps_after_training(trained: Path) -> None:
+    import subprocess
+    import sys
+
     assert sorted(os.listdir(trained / "persistent")) == ["latest", "step_000000010"]
     for host in ("a", "b"):
         steps = sorted(n for n in os.listdir(trained / "local" / host) if n.startswith("step_"))
         assert steps == ["step_000000012", "step_000000013"], (host, steps)
+    # every host holds its own ranks' files and a copy of the other host's
+    files = sorted(os.listdir(trained / "local" / "a" / "step_000000013" / "data"))
+    assert {f.split("-")[1] for f in files} == {"00000", "00001", "00002", "00003"}
+    # a local step is an ordinary checkpoint for the command line
+    step = trained / "local" / "a" / "step_000000013"
+    cli = [sys.executable, "-m", "shardsafe"]
+    out = subprocess.run([*cli, "inspect", str(step)], capture_output=True, text=True)
+    assert out.returncode == 0 and "model.w" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run([*cli, "verify", str(step)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_lost_host_resumes_from_newest_local_step_in_new_layout(
