@@ -232,19 +232,9 @@ class LocalTier:
     def _channel(
         self, planned: PlannedSave, loc: Location, lease: Lease | None
     ) -> StoreChannel | None:
-        if not self.comm.distributed:
-            return None
+        """Start heartbeating for this save (right after planning, before any slow step)."""
         try:
-            if self._clients is None:
-                self._clients = connect()
-            return StoreChannel(
-                self.comm,
-                planned.token,
-                self._clients,
-                dead_after=self.dead_after,
-                log_every=3 * self.dead_after,
-                start_within=min(self.timeout, max(60.0, 6 * self.dead_after)),
-            )
+            return self._channel_for(planned.token)
         except BaseException:
             if lease is not None:
                 abort(loc, planned.token, lease)
@@ -308,18 +298,14 @@ class LocalTier:
         def target(name: str) -> str:
             return name if parent.atomic_rename else name.replace(".bin", f"-{token}.bin")
 
-        begin_channel = self._channel_for(token + "b")
         lease: Lease | None = None
-        status: dict[str, Any] = {}
-        if comm.is_coordinator:
+
+        def take_lease(_: list[dict[str, Any]]) -> dict[str, Any]:
+            nonlocal lease
             lease, err = outcome(lambda: begin(ploc, token, True, drain.lease_ttl))
-            status = {"errors": [err] * comm.world_size} if err else {}
-            if begin_channel is not None:
-                begin_channel.publish(status)
-        elif begin_channel is not None:
-            status = begin_channel.await_status()
-        if begin_channel is not None:
-            begin_channel.cleanup()
+            return {"errors": [err] * comm.world_size} if err else {}
+
+        status = self._round(token + "b", None, take_lease)
         raise_for(status.get("errors") or [], "drain to the persistent tier")
         source = self.dir.storage
         name = planned.loc.name
@@ -331,41 +317,56 @@ class LocalTier:
             return sizes
 
         copied, err = outcome(copy_mine)
-        channel = self._channel_for(token + "c")
-        record = {"error": err, "files": copied}
-        if channel is None:
-            records = [record]
-        else:
-            channel.post(record)
-        if comm.is_coordinator:
+
+        def publish(records: list[dict[str, Any]]) -> dict[str, Any]:
+            errors = [r.get("error") for r in records]
             try:
-                records = channel.collect() if channel is not None else records
-                errors = [r.get("error") for r in records]
                 if any(errors):
                     abort(ploc, token, lease)
-                    status = {"errors": errors}
-                else:
-                    manifest = _renamed(Manifest.from_json(done["manifest"]), target)
-                    check_files(ploc, token, manifest)
-                    if lease is not None:
-                        lease.check()
-                    commit(ploc, token, manifest, overwrite=True)
-                    if lease is not None:
-                        lease.release()
-                    drain.on_commit()
-                    status = {}
+                    return {"errors": errors}
+                manifest = _renamed(Manifest.from_json(done["manifest"]), target)
+                check_files(ploc, token, manifest)
+                if lease is not None:
+                    lease.check()
+                commit(ploc, token, manifest, overwrite=True)
+                if lease is not None:
+                    lease.release()
+                drain.on_commit()
+                return {}
             except Exception as e:
                 with contextlib.suppress(Exception):
                     abort(ploc, token, lease)
-                status = {"errors": [error_record(e)] * comm.world_size}
-            if channel is not None:
-                channel.publish(status)
-        elif channel is not None:
-            status = channel.await_status()
-        if channel is not None:
-            channel.cleanup()
+                return {"errors": [error_record(e)] * comm.world_size}
+
+        status = self._round(token + "c", {"error": err, "files": copied}, publish)
         raise_for(status.get("errors") or [], "drain to the persistent tier")
         return time.perf_counter() - t0
+
+    def _round(
+        self,
+        token: str,
+        record: dict[str, Any] | None,
+        decide: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """One exchange through the store: every rank posts ``record`` (unless None), the
+        coordinator runs ``decide`` on all of them and every rank returns its status."""
+        channel = self._channel_for(token)
+        if channel is None:
+            return decide([record] if record is not None else [])
+        try:
+            if record is not None:
+                channel.post(record)
+            if not self.comm.is_coordinator:
+                return channel.await_status()
+            try:
+                records = channel.collect() if record is not None else []
+            except Exception as e:  # a dead rank: everyone learns it from the status
+                records = [{"error": error_record(e)}] * self.comm.world_size
+            status = decide(records)
+            channel.publish(status)
+            return status
+        finally:
+            channel.cleanup()
 
     def _channel_for(self, token: str) -> StoreChannel | None:
         if not self.comm.distributed:
