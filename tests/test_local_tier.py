@@ -70,7 +70,9 @@ def _train(
             raise AssertionError("the save survived a dead host")
         mgr.wait()
     mgr.close()
-    return {"step": state["step"], "tier": mgr.restored_tier, "w": w.clone(), "m": m.clone()}
+    # numpy arrays travel by value (a tensor would be shared by a file descriptor that
+    # vanishes with this process)
+    return {"step": state["step"], "tier": mgr.restored_tier, "w": w.numpy(), "m": m.numpy()}
 
 
 def _restore(rank: int, world: int, tmp: str, hosts: list[str]) -> Any:
@@ -84,8 +86,8 @@ def _restore(rank: int, world: int, tmp: str, hosts: list[str]) -> Any:
         "step": state["step"],
         "restored": mgr.restored_step,
         "tier": mgr.restored_tier,
-        "w": w,
-        "m": m,
+        "w": w.numpy(),
+        "m": m.numpy(),
     }
 
 
@@ -94,8 +96,9 @@ def check_exact(results: list[dict[str, Any]], step: int) -> None:
     world = len(results)
     for rank, r in enumerate(results):
         assert r["step"] == step
-        assert torch.equal(r["w"], w_ref[rows_of(rank, world)]), f"rank {rank} w differs"
-        assert torch.equal(r["m"], m_ref[rows_of(rank, world)]), f"rank {rank} m differs"
+        w, m = torch.as_tensor(r["w"]), torch.as_tensor(r["m"])
+        assert torch.equal(w, w_ref[rows_of(rank, world)]), f"rank {rank} w differs"
+        assert torch.equal(m, m_ref[rows_of(rank, world)]), f"rank {rank} m differs"
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ from .commit import assemble, check_files, commit
 from .directory import StepDirectory
 from .dist import error_record, get_comm, outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, is_damaged_checkpoint
 from .format import MANIFEST_NAME, Extent, Manifest
 from .lease import LEASE_SECONDS, Lease
 from .loading import files_to_read
@@ -717,15 +717,36 @@ class LocalTier:
         for rank, n in enumerate(needs):
             needed.setdefault(self.places[rank], set()).update(n["files"])
         extents = _extents_by_file(manifest)
-        # 3. verify the copies each place will read from its own disk
-        refused = self._verify_held(needed, held, base, extents, manifest.block_bytes)
-        # 4. fetch what is missing or bad, from places with a good copy
-        self._fetch(needed, held, sizes, dir_of, token, (extents, manifest.block_bytes), refused)
+        # 3. fetch what each place lacks from places that hold it (each copy verified on arrival)
+        check = (extents, manifest.block_bytes)
+        self._fetch(needed, held, sizes, dir_of, token, check)
         if not here and self.leader:
             storage.rename(base, name)
         if comm.distributed:
             comm.all_gather(None)  # every place has published its directory
-        return load_into(os.path.join(self.root, name))
+        path = os.path.join(self.root, name)
+        try:
+            return load_into(path)  # verifies every block it reads
+        except CheckpointError as e:
+            if not is_damaged_checkpoint(e):
+                raise
+            failure = e
+        # 4. a local copy was damaged: find which (every place checks what its ranks read),
+        # replace them from places with an intact copy, and load again
+        now = {p: {**held.get(p, {}), **{n: sizes[n] for n in needed.get(p, ())}} for p in held}
+        refused = self._verify_held(needed, now, name, extents, manifest.block_bytes)
+        if not refused:
+            raise failure
+        self._fetch(needed, now, sizes, lambda p: name, token, check, refused)
+        if comm.distributed:
+            comm.all_gather(None)
+        log.warning(
+            "restore: local step %s: replaced %d damaged cop%s from other hosts; loading again",
+            name,
+            len(refused),
+            "y" if len(refused) == 1 else "ies",
+        )
+        return load_into(path)
 
     def _verify_held(
         self,
