@@ -41,8 +41,7 @@ from .errors import (
 )
 from .lease import LEASE_SECONDS
 from .loading import StrictHandling, load
-from .saver import AsyncSaveHandle, Saver
-from .saving import SaveStats
+from .saver import AsyncSaveHandle, Saver, SaveStats
 from .sharding import (
     CoordinatorObject,
     LocalNonPersistentObject,
