@@ -113,12 +113,15 @@ class NeuronCheckpoints:
     process group), so that an async save in flight and retention carry over between calls.
 
     The module-level functions use :data:`DEFAULT` (closed at exit, and by
-    ``shardsafe.release()``); hold your own to choose its lifetime, and ``close()`` it.
+    ``shardsafe.release()``); hold your own to choose its lifetime, and ``close()`` it
+    (``close_at_exit=True`` also closes it when the interpreter exits, once it was used).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, close_at_exit: bool = False) -> None:
         self._managers: dict[tuple[str, int], TagManager] = {}
         self._lock = threading.Lock()
+        self._close_at_exit = close_at_exit
+        self._at_exit_registered = False
 
     def manager(self, checkpoint_dir: str | os.PathLike[str], process_group: Any) -> TagManager:
         """The manager of ``checkpoint_dir`` for ``process_group`` (made on first use)."""
@@ -130,6 +133,9 @@ class NeuronCheckpoints:
                 manager = self._managers[key] = TagManager(
                     checkpoint_dir, async_save=False, process_group=process_group
                 )
+            if self._close_at_exit and not self._at_exit_registered:
+                atexit.register(self.close)
+                self._at_exit_registered = True
             return manager
 
     def __len__(self) -> int:
@@ -194,7 +200,7 @@ class NeuronCheckpoints:
         call_each(m.close for m in managers)
 
 
-DEFAULT = NeuronCheckpoints()
+DEFAULT = NeuronCheckpoints(close_at_exit=True)
 """What the module-level functions use; :func:`finalize_checkpoint` and ``shardsafe.release()``
 close it, and so does the interpreter's exit."""
 
@@ -203,9 +209,6 @@ def finalize_checkpoint() -> None:
     """Wait for every async save in flight (called at exit; call it before tearing down the
     process group) and free the default managers."""
     DEFAULT.close()
-
-
-atexit.register(finalize_checkpoint)
 
 
 def has_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> bool:

@@ -1,8 +1,11 @@
 """``save`` and ``async_save``, and the :class:`Saver` that keeps their reusable state.
 
-A Saver holds what repeated saves reuse: the cached global plan, the host staging arenas
-and the one background writer thread. ``shardsafe.save``/``async_save`` use one Saver per
-process group (``default_saver``); make your own to control its lifetime.
+A Saver holds what repeated saves reuse: the cached global plan, the host staging arenas,
+the direct-I/O policy and bounce buffers, and the one background writer thread; ``close``
+frees them. It runs the steps of a save, each in its module: plan (:mod:`.save_plan`, with
+:mod:`.save_target`), stage (:mod:`.staging`), write (:mod:`.save_write`), commit
+(:mod:`.commit`). ``shardsafe.save``/``async_save`` use one Saver per process group
+(``default_saver``); make your own to control its lifetime.
 
 What ``async_save`` blocks on: planning (one tiny all-gather when the plan is cached), and
 the copy of this rank's share into host memory. Writing, checksums, fsync and the commit
