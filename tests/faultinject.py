@@ -20,7 +20,8 @@ from typing import Any, NoReturn
 
 import shardsafe.commit
 import shardsafe.location
-import shardsafe.saving
+import shardsafe.save_target
+import shardsafe.save_write
 from shardsafe.format import MANIFEST_NAME
 
 Undo = Callable[[], None]
@@ -111,23 +112,23 @@ def _replace(module: Any, name: str, value: Any) -> Undo:
 def patch_data_writes(limit: int, action: Callable[[], Any]) -> Undo:
     """Data files written by this process fail (``action``) once ``limit`` bytes are written."""
     budget = ByteBudget(limit, action)
-    original = shardsafe.saving.write_data_file
+    original = shardsafe.save_write.write_data_file
 
     def faulty(storage: Any, rel: str, *args: Any, **kwargs: Any) -> Any:
         return original(FaultyStorage(storage, budget), rel, *args, **kwargs)
 
-    return _replace(shardsafe.saving, "write_data_file", faulty)
+    return _replace(shardsafe.save_write, "write_data_file", faulty)
 
 
 def patch_slow_data_writes(seconds: float) -> Undo:
     """Every data file this process writes takes ``seconds`` longer (to make saves overlap)."""
-    original = shardsafe.saving.write_data_file
+    original = shardsafe.save_write.write_data_file
 
     def slow(*args: Any, **kwargs: Any) -> Any:
         time.sleep(seconds)
         return original(*args, **kwargs)
 
-    return _replace(shardsafe.saving, "write_data_file", slow)
+    return _replace(shardsafe.save_write, "write_data_file", slow)
 
 
 def patch_quota(root: str, limit: int) -> Undo:
@@ -152,7 +153,7 @@ def patch_commit_then_die() -> Undo:
 
     def commit(loc: Any, token: str, manifest: Any, overwrite: bool) -> None:
         if loc.parent.atomic_rename:
-            work = shardsafe.saving.work_dir(loc, token)
+            work = shardsafe.save_target.work_dir(loc, token)
             loc.parent.write_bytes(f"{work}/{MANIFEST_NAME}", manifest.dumps())
             loc.parent.sync_dir(work)
         kill_self()
@@ -207,9 +208,9 @@ class CorruptingStorage:
 def patch_corrupting_writes(times: int) -> Undo:
     """The next ``times`` data files this process writes reach the disk with one bit flipped."""
     left = [times]
-    original = shardsafe.saving.write_data_file
+    original = shardsafe.save_write.write_data_file
 
     def corrupting(storage: Any, rel: str, *args: Any, **kwargs: Any) -> Any:
         return original(CorruptingStorage(storage, left), rel, *args, **kwargs)
 
-    return _replace(shardsafe.saving, "write_data_file", corrupting)
+    return _replace(shardsafe.save_write, "write_data_file", corrupting)

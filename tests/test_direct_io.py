@@ -12,7 +12,14 @@ import torch
 
 import shardsafe
 from shardsafe import directio
-from shardsafe.directio import CacheAwareReader, aligned_empty, open_data_file, wants_direct
+from shardsafe.directio import (
+    CacheAwareReader,
+    DirectIO,
+    aligned_empty,
+    direct_io_mode,
+    open_data_file,
+    wants_direct,
+)
 from shardsafe.engine import DataReader, write_data_file
 from shardsafe.storage.local import LocalStorage
 
@@ -58,12 +65,9 @@ def test_direct_and_buffered_files_are_identical(tmp_path, seed):
     os.remove(tmp_path / "direct.bin")
     got = {}
     for mode in ("never", "always"):
-        old = directio.DIRECT_IO
-        directio.DIRECT_IO = mode
-        try:
-            got[mode] = write_data_file(storage, f"data/{mode}.bin", items, 1 << 20)
-        finally:
-            directio.DIRECT_IO = old
+        got[mode] = write_data_file(
+            storage, f"data/{mode}.bin", items, 1 << 20, direct_io=DirectIO(mode)
+        )
     (ext_b, size_b), (ext_d, size_d) = got["never"], got["always"]
     assert size_b == size_d == os.path.getsize(tmp_path / "data/always.bin")
     assert {k: (e.byte_offset, e.nbytes, e.checksums) for k, e in ext_b.items()} == {
@@ -77,11 +81,85 @@ def test_auto_mode_uses_direct_io_only_for_page_aligned_sources(tmp_path):
     arena = aligned_empty(2 << 20)
     unaligned = arena[64:]  # what a tensor's memory usually looks like
     staged = [("a", memoryview(arena[: 1 << 20])), ("s", memoryview(b"x" * 10))]
-    assert wants_direct(storage, staged) == (directio.DIRECT_IO != "never")
-    assert (
-        not wants_direct(storage, [("a", memoryview(unaligned))]) or directio.DIRECT_IO == "always"
+    plain = [("a", memoryview(unaligned))]
+    tiny = [("s", memoryview(b"tiny"))]
+    assert wants_direct(storage, staged, "auto")
+    assert not wants_direct(storage, plain, "auto")
+    assert not wants_direct(storage, tiny, "auto")
+    assert all(wants_direct(storage, items, "always") for items in (staged, plain, tiny))
+    assert not any(wants_direct(storage, items, "never") for items in (staged, plain, tiny))
+
+
+def test_the_mode_is_read_when_a_saver_or_load_is_made_and_an_option_overrides_it(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SHARDSAFE_DIRECT_IO", "never")
+    saver = shardsafe.Saver()
+    reader = DataReader(LocalStorage(str(tmp_path)), 1 << 20)
+    assert saver.direct_io.mode == reader.direct_io.mode == "never"
+    monkeypatch.setenv("SHARDSAFE_DIRECT_IO", "on")
+    assert shardsafe.Saver().direct_io.mode == "always"  # the environment of the moment
+    assert saver.direct_io.mode == "never"  # a Saver keeps what it was made with
+    assert shardsafe.Saver(direct_io="auto").direct_io.mode == "auto"
+    assert DataReader(LocalStorage(str(tmp_path)), 1 << 20, direct_io="Never").direct_io.mode == (
+        "never"
     )
-    assert not wants_direct(storage, [("s", memoryview(b"tiny"))]) or directio.DIRECT_IO == "always"
+    monkeypatch.setenv("SHARDSAFE_DIRECT_IO", "sometimes")
+    assert direct_io_mode() == "auto"  # an unknown value in the environment: the default
+    with pytest.raises(shardsafe.ValidationError, match="direct_io='sometimes'"):
+        shardsafe.Saver(direct_io="sometimes")
+    with pytest.raises(shardsafe.ValidationError, match="direct_io"):
+        shardsafe.load({}, tmp_path / "absent", direct_io="fast")
+    saver.close()
+
+
+def test_reads_bypass_the_cache_only_through_a_storage_that_offers_it(tmp_path):
+    (tmp_path / "f.bin").write_bytes(b"x" * 8192)
+    local = LocalStorage(str(tmp_path))
+    auto = DataReader(local, 4096, direct_io="auto")
+    never = DataReader(local, 4096, direct_io="never")
+    try:
+        assert isinstance(auto._reader("f.bin", "x"), CacheAwareReader)
+        assert not isinstance(never._reader("f.bin", "x"), CacheAwareReader)
+    finally:
+        auto.close()
+        never.close()
+
+    class Remote(LocalStorage):
+        direct_io = False  # e.g. an object store: no descriptors to hand out
+
+        def open_file(self, rel: str) -> object:
+            raise AssertionError("open_file asked of a storage without direct I/O")
+
+    remote = DataReader(Remote(str(tmp_path)), 4096, direct_io="always")
+    try:
+        out = bytearray(8192)
+        remote._reader("f.bin", "x").read_into(0, memoryview(out))
+        assert bytes(out) == b"x" * 8192
+    finally:
+        remote.close()
+    with pytest.raises(NotImplementedError, match="no direct I/O"):
+        shardsafe.storage.Storage.open_file(local, "f.bin")
+
+
+def test_a_saver_owns_its_bounce_buffers_and_close_frees_them(tmp_path):
+    """Direct writes of unaligned bytes go through bounce buffers of the Saver's pool, kept
+    for the next save and freed by close; a Saver with direct I/O off never makes one."""
+    sd = {"w": shardsafe.ShardedTensor.from_rank_offsets("w", torch.randn(600, 700))}
+    always = shardsafe.Saver(direct_io="always")
+    never = shardsafe.Saver(direct_io="never")
+    try:
+        always.save(sd, tmp_path / "a")  # the common state goes through a bounce buffer
+        never.save(sd, tmp_path / "n")
+        if always.direct_io.pool.held == 0:
+            pytest.skip("the file system refused O_DIRECT: no bounce buffer was needed")
+        assert never.direct_io.pool.held == 0
+    finally:
+        always.close()
+        never.close()
+    assert always.direct_io.pool.held == 0
+    for name in ("a", "n"):
+        assert shardsafe.CheckpointReader(tmp_path / name).verify().ok
 
 
 def test_cache_aware_reads_cold_partly_cached_and_cached(tmp_path):
@@ -99,7 +177,7 @@ def test_cache_aware_reads_cold_partly_cached_and_cached(tmp_path):
                 f.read(2 << 20)
         elif state == "cached":
             path.read_bytes()
-        reader = CacheAwareReader(storage.open_read("f.bin"))
+        reader = CacheAwareReader(storage.open_file("f.bin"))
         try:
             for offset, n in cases:
                 for dst_shift in (0, 7, 4096):

@@ -442,6 +442,34 @@ def test_neuron_num_kept_ckpts_and_tag_none_resumes_the_newest(tmp_path: Path) -
 
 
 @pytest.mark.timeout(60)
+def test_neuron_state_lives_in_an_object_the_caller_holds_or_in_a_default_release_frees(
+    tmp_path: Path,
+) -> None:
+    x = torch.randn(8, 6)
+    model, opt, sched = _training()
+    _step(model, opt, sched, x)
+    mine = neuron.NeuronCheckpoints()
+    handle = mine.save_checkpoint(tmp_path / "mine", "step_1", model, opt, async_save=True)
+    assert len(mine) == 1 and len(neuron.DEFAULT) == 0  # nothing kept behind the caller's back
+    mine.close()  # waits for the save in flight
+    assert handle.done() and len(mine) == 0
+    model2, opt2, _ = _training(seed=5)
+    assert mine.load_checkpoint(tmp_path / "mine", model=model2, optimizer=opt2) is None
+    assert _same(model, model2)
+    mine.close()
+
+    neuron.save_checkpoint(tmp_path / "default", "step_1", model, async_save=True)
+    assert len(neuron.DEFAULT) == 1
+    shardsafe.release()  # waits for it, frees the managers and their savers
+    assert len(neuron.DEFAULT) == 0
+    assert neuron.has_checkpoint(tmp_path / "default")
+    model3, _, _ = _training(seed=6)
+    neuron.load_checkpoint(tmp_path / "default", model=model3)
+    assert _same(model, model3)
+    neuron.finalize_checkpoint()
+
+
+@pytest.mark.timeout(60)
 def test_neuron_dtensor_state_needs_the_integration(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

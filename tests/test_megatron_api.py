@@ -220,3 +220,35 @@ def test_megatron_lm_common_state_with_args_loads(tmp_path):
     )
     assert out["args"].lr == 0.1 and out["iteration"] == 5
     assert torch.equal(out["w"], torch.arange(4.0))
+
+
+def test_the_plugin_points_are_objects_that_list_what_is_registered(tmp_path):
+    from shardsafe.integrations.megatron import is_torch_dist_dir, megatron_aware
+    from shardsafe.loading import FOREIGN_LOADERS
+    from shardsafe.sharding import STATE_DICT_ADAPTERS
+
+    assert megatron_aware in STATE_DICT_ADAPTERS.registered  # registered by `import shardsafe`
+    assert any(detect is is_torch_dist_dir for detect, _ in FOREIGN_LOADERS.registered)
+
+    class Boxed:  # a framework's leaf type
+        def __init__(self, t):
+            self.t = t
+
+    def unbox(tree):
+        if isinstance(tree, dict):
+            return {k: unbox(v) for k, v in tree.items()}
+        return (
+            shardsafe.ShardedTensor.from_rank_offsets("w", tree.t)
+            if isinstance(tree, Boxed)
+            else tree
+        )
+
+    w = torch.randn(4, 3)
+    shardsafe.register_state_dict_adapter(unbox)
+    try:
+        assert STATE_DICT_ADAPTERS.registered[-1] is unbox
+        shardsafe.save({"w": Boxed(w)}, tmp_path / "ck")
+    finally:
+        STATE_DICT_ADAPTERS.unregister(unbox)
+    assert unbox not in STATE_DICT_ADAPTERS.registered
+    assert torch.equal(shardsafe.CheckpointReader(tmp_path / "ck").read_tensor("w"), w)

@@ -238,7 +238,7 @@ def test_tensors_kept_in_common_state_still_load_in_place(tmp_path):
 
 
 def test_replica_digest_is_the_same_chunked_or_whole():
-    from shardsafe.saving import tensor_digest
+    from shardsafe.save_plan import tensor_digest
 
     t = torch.randn(37, 11).t()  # not contiguous either
     whole = tensor_digest(t)

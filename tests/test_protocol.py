@@ -77,6 +77,23 @@ def _cases(rank: int, world: int, base: str, out: str) -> None:
     saver = Saver(dead_after=DEAD_AFTER, timeout=30)
     report: dict[str, Any] = {}
 
+    # two Savers and a load on one group, interleaved: the arrivals agree because each rank's
+    # count lives in the group's store, not in a Saver or in this process
+    store = dist.distributed_c10d._get_default_store()
+    counter = f"shardsafe/arrivals/{shardsafe.dist._group_tag(shardsafe.dist.get_comm())}/r{rank}"
+    before = int(store.add(counter, 0))
+    other = Saver(dead_after=DEAD_AFTER, timeout=30)
+    report["two_savers"] = _timed(
+        lambda: (
+            saver.save(sd(rank, world), f"{base}/s1"),
+            other.async_save(sd(rank, world), f"{base}/s2").result(60),
+            saver.save(sd(rank, world), f"{base}/s3", overwrite=True),
+            shardsafe.load(sd(rank, world), f"{base}/s2"),
+        )
+    )
+    other.close()
+    report["arrivals"] = int(store.add(counter, 0)) - before
+
     def raising(stage: str, done: int, total: int) -> None:
         if rank == 1:
             raise RuntimeError("callback failed on purpose")
@@ -138,6 +155,13 @@ def test_a_raising_callback_fails_every_rank_at_once(reports: Any, case: str) ->
         assert not rec["ok"] and "callback failed on purpose" in rec["message"], rec
         assert "rank 1" in rec["message"], rec
         assert rec["seconds"] < SLACK, rec  # not a timeout: the error travels with the record
+
+
+@pytest.mark.timeout(300)
+def test_two_savers_and_a_load_on_one_group_agree_on_their_arrivals(reports: Any) -> None:
+    (r0, r1), _ = reports
+    assert r0["two_savers"]["ok"] and r1["two_savers"]["ok"], (r0["two_savers"], r1["two_savers"])
+    assert r0["arrivals"] == r1["arrivals"] >= 3
 
 
 @pytest.mark.timeout(300)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import sys
+
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -14,6 +16,7 @@ from .errors import (
     IncompleteCheckpointError,
     MissingKeyError,
     ValidationError,
+    call_each,
 )
 from .integrations.dtensor import dtensor_aware as _dtensor_aware
 from .integrations.megatron import is_torch_dist_dir as _is_torch_dist_dir
@@ -35,8 +38,8 @@ from .reader import (
     load_metadata,
     load_plain_tensors,
 )
-from .saver import AsyncSaveHandle, Saver, async_save, release, save, wait_for_saves
-from .saving import SaveStats
+from .saver import AsyncSaveHandle, Saver, SaveStats, async_save, save, wait_for_saves
+from .saver import release as _release_savers
 from .sharding import (
     CoordinatorObject,
     LocalNonPersistentObject,
@@ -50,6 +53,17 @@ from .sharding import (
 register_state_dict_adapter(_dtensor_aware)  # a model.state_dict() holding DTensors just works
 register_state_dict_adapter(_megatron_aware)  # Megatron-Core's own sharded state dicts too
 register_foreign_loader(_is_torch_dist_dir, _load_torch_dist_dir)  # and its torch_dist directories
+
+
+def release() -> None:
+    """Wait for the saves in flight of the state this package keeps for its module-level
+    functions (the Savers of ``save``/``async_save``, ``shardsafe.neuron.DEFAULT`` once that
+    module is imported), then free their staging memory, threads and store connections;
+    later calls make fresh ones. Raises the first :class:`CheckpointError` seen."""
+    neuron = sys.modules.get(f"{__name__}.neuron")
+    calls = [neuron.finalize_checkpoint] if neuron is not None else []
+    call_each([*calls, _release_savers])
+
 
 __all__ = [
     "CheckpointError",

@@ -23,7 +23,8 @@ from .format import (
     TensorEntry,
 )
 from .location import Location
-from .saving import CoordinatorPlan, PlannedSave, abort, check_target, work_dir
+from .save_plan import CoordinatorPlan, PlannedSave
+from .save_target import abort, check_target, work_dir
 from .storage import Storage
 
 log = logging.getLogger("shardsafe")

@@ -22,28 +22,47 @@ from typing import Any
 import numpy as np
 
 from .codec import array_view
+from .errors import ValidationError
 from .format import LARGE_ITEM
-from .storage.base import ByteWriter, Storage
+from .storage.base import ByteWriter, FileReader, Storage
 
-_MODE = os.environ.get("SHARDSAFE_DIRECT_IO", "auto").strip().lower()
-DIRECT_IO: str = (
-    "never"
-    if not hasattr(os, "O_DIRECT") or _MODE in ("0", "never", "off", "false")
-    else "always"
-    if _MODE in ("1", "always", "on", "true")
-    else "auto"
-)
-"""When local data files bypass the page cache (``SHARDSAFE_DIRECT_IO``: auto, always, never).
+ENV_VAR = "SHARDSAFE_DIRECT_IO"
+"""The environment variable that sets the default mode (``auto``, ``always`` or ``never``)."""
+MODES = ("auto", "always", "never")
+_NEVER = ("0", "never", "off", "false")
+_ALWAYS = ("1", "always", "on", "true")
 
-``auto`` writes a file with ``O_DIRECT`` when its large items sit in page-aligned memory:
-the host staging arena of an async save. Those bytes then go from the arena to the device
-without a copy, and the background writer neither spends CPU copying them into cache pages
-nor grows the page cache under the training job. A blocking save writes from the tensors
-themselves through the page cache, which keeps the new checkpoint cached for an immediate
-reload. Reads take what the page cache holds from it and the rest of a large read with
-``O_DIRECT``, instead of filling cache pages with bytes read once. File systems that
-refuse direct I/O fall back to buffered I/O by themselves.
-"""
+
+def direct_io_mode(option: str | None = None) -> str:
+    """The direct-I/O mode: ``option`` when given, else ``SHARDSAFE_DIRECT_IO`` read now
+    (default ``auto``); always ``never`` where the platform has no ``O_DIRECT``.
+
+    ``auto`` writes a file with ``O_DIRECT`` when its large items sit in page-aligned memory:
+    the host staging arena of an async save. Those bytes then go from the arena to the device
+    without a copy, and the background writer neither spends CPU copying them into cache
+    pages nor grows the page cache under the training job. A blocking save writes from the
+    tensors themselves through the page cache, which keeps the new checkpoint cached for an
+    immediate reload. Reads take what the page cache holds from it and the rest of a large
+    read with ``O_DIRECT``, instead of filling cache pages with bytes read once. ``always``
+    writes every local data file direct; ``never`` turns direct I/O off for writes and reads.
+    File systems that refuse direct I/O fall back to buffered I/O by themselves.
+    """
+    raw = os.environ.get(ENV_VAR, "auto") if option is None else option
+    value = str(raw).strip().lower()
+    if value in _NEVER:
+        mode = "never"
+    elif value in _ALWAYS:
+        mode = "always"
+    elif value in ("auto", "") or option is None:  # an unknown value in the environment: auto
+        mode = "auto"
+    else:
+        raise ValidationError(
+            f"direct_io={option!r}: expected one of {', '.join(map(repr, MODES))} "
+            f"(or leave it unset to use {ENV_VAR}, default auto)"
+        )
+    return mode if hasattr(os, "O_DIRECT") else "never"
+
+
 DIRECT_ALIGN = 4096
 _BOUNCE_BYTES = 4 << 20
 _DIRECT_CHUNK = 64 << 20  # largest single direct transfer
@@ -65,18 +84,21 @@ def _view_address(data: memoryview | bytes) -> int:
     return address(np.frombuffer(view.cast("B") if view.format != "B" else view, dtype=np.uint8))
 
 
-def wants_direct(storage: Storage, items: Sequence[tuple[Any, memoryview | bytes]]) -> bool:
-    """Whether to write these items with direct I/O (see :data:`DIRECT_IO`)."""
-    if DIRECT_IO == "never" or not storage.direct_io:
+def wants_direct(
+    storage: Storage, items: Sequence[tuple[Any, memoryview | bytes]], mode: str = "auto"
+) -> bool:
+    """Whether to write these items with direct I/O in ``mode`` (see :func:`direct_io_mode`)."""
+    if mode == "never" or not storage.direct_io:
         return False
-    if DIRECT_IO == "always":
+    if mode == "always":
         return True
     large = [d for _, d in items if len(memoryview(d).cast("B")) >= LARGE_ITEM]
     return bool(large) and all(_view_address(d) % DIRECT_ALIGN == 0 for d in large)
 
 
-class _BouncePool:
-    """Aligned transfer buffers, reused across files and saves (one per concurrent transfer)."""
+class BouncePool:
+    """Aligned transfer buffers, reused across files (one per concurrent transfer); owned by
+    the :class:`DirectIO` of a Saver or a load, and emptied by its ``close``."""
 
     def __init__(self) -> None:
         self._free: list[np.ndarray] = []
@@ -92,8 +114,39 @@ class _BouncePool:
         with self._lock:
             self._free.append(buf)
 
+    @property
+    def held(self) -> int:
+        """Buffers kept for reuse."""
+        with self._lock:
+            return len(self._free)
 
-_BOUNCE = _BouncePool()
+    def clear(self) -> None:
+        """Drop the buffers kept for reuse (their memory is unmapped once unreferenced)."""
+        with self._lock:
+            self._free.clear()
+
+
+class DirectIO:
+    """The direct-I/O policy of one Saver or load, and the bounce buffers it reuses.
+
+    ``mode`` is ``"auto"``, ``"always"`` or ``"never"``; None reads ``SHARDSAFE_DIRECT_IO``
+    now (see :func:`direct_io_mode`). ``close`` frees the buffers; the object stays usable.
+    """
+
+    def __init__(self, mode: str | None = None) -> None:
+        self.mode = direct_io_mode(mode)
+        self.pool = BouncePool()
+
+    def wants(self, storage: Storage, items: Sequence[tuple[Any, memoryview | bytes]]) -> bool:
+        """Whether to write these items with direct I/O."""
+        return wants_direct(storage, items, self.mode)
+
+    def reads(self, storage: Storage) -> bool:
+        """Whether reads of ``storage``'s data files may bypass the page cache."""
+        return self.mode != "never" and storage.direct_io
+
+    def close(self) -> None:
+        self.pool.clear()
 
 
 class DirectWriter:
@@ -102,12 +155,15 @@ class DirectWriter:
     the file truncated to its real size. A file system that rejects a direct write gets the
     descriptor switched to buffered I/O, and the same bytes again."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, pool: BouncePool | None = None) -> None:
         self.fd = fd
         self.size = 0  # bytes accepted
         self._pos = 0  # bytes handed to the kernel (a multiple of DIRECT_ALIGN while direct)
         self._fill = 0  # bytes waiting in the bounce buffer
-        self._buf: np.ndarray | None = _BOUNCE.acquire()
+        self._pool = pool
+        self._buf: np.ndarray | None = (
+            pool.acquire() if pool is not None else aligned_empty(_BOUNCE_BYTES)
+        )
         self.direct = True
 
     def write(self, data: memoryview | bytes, /) -> int:
@@ -177,17 +233,20 @@ class DirectWriter:
         os.fsync(self.fd)
 
     def release(self) -> None:
-        if self._buf is not None:
-            _BOUNCE.release(self._buf)
-            self._buf = None
+        if self._buf is not None and self._pool is not None:
+            self._pool.release(self._buf)
+        self._buf = None
 
 
 @contextmanager
-def open_data_file(storage: Storage, rel: str, direct: bool = False) -> Iterator[ByteWriter]:
+def open_data_file(
+    storage: Storage, rel: str, direct: bool = False, pool: BouncePool | None = None
+) -> Iterator[ByteWriter]:
     """A new data file, with direct I/O if asked and possible, else ``storage.open_write``.
 
     Same contract as ``open_write``: created exclusively, durable when the block exits
-    cleanly, removed when it raises.
+    cleanly, removed when it raises. The bounce buffer comes from ``pool`` (a fresh one
+    without it).
     """
     fd = _open_direct(storage, rel) if direct and storage.direct_io else None
     if fd is None:
@@ -195,7 +254,7 @@ def open_data_file(storage: Storage, rel: str, direct: bool = False) -> Iterator
             yield f
         return
     path = storage.path(rel)  # type: ignore[attr-defined]
-    writer = DirectWriter(fd)
+    writer = DirectWriter(fd, pool)
     try:
         yield writer
         writer.finish()
@@ -298,10 +357,11 @@ class CacheAwareReader:
     to the plain reader wherever the kernel or the file system declines.
     """
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: FileReader, pool: BouncePool | None = None) -> None:
         self.inner = inner
-        self.fd: int = inner.fd
+        self.fd: int = inner.fileno()
         self.path: str = inner.path
+        self._pool = pool
         self._dfd: int | None = None
         self._lock = threading.Lock()
         self._direct = True
@@ -362,7 +422,11 @@ class CacheAwareReader:
                     done += got
                     continue
                 if buf is None:
-                    buf = _BOUNCE.acquire()
+                    buf = (
+                        self._pool.acquire()
+                        if self._pool is not None
+                        else aligned_empty(_BOUNCE_BYTES)
+                    )
                 length = min(-(-(skip + n - done) // DIRECT_ALIGN) * DIRECT_ALIGN, len(buf))
                 got = os.preadv(dfd, [array_view(buf[:length])], pos - skip)
                 take = min(got - skip, n - done)
@@ -371,8 +435,8 @@ class CacheAwareReader:
                 np.copyto(dst[done : done + take], buf[skip : skip + take])
                 done += take
         finally:
-            if buf is not None:
-                _BOUNCE.release(buf)
+            if buf is not None and self._pool is not None:
+                self._pool.release(buf)
         if done < n:
             raise EOFError(
                 f"{self.path}: wanted {n} bytes at offset {offset}, file ends after {done}"

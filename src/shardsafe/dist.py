@@ -48,9 +48,8 @@ class Comm:
         if not self.distributed:
             return
         store = _store()
-        seq = _next_sequence(self)
-        base = f"shardsafe/arrive/{_group_tag(self)}/{seq}"
         try:
+            base = f"shardsafe/arrive/{_group_tag(self)}/{self._next_sequence(store)}"
             self._wait_for_all(store, base, stage, timeout)
         except DistributedError:
             raise
@@ -60,6 +59,12 @@ class Comm:
                 f"({type(e).__name__}: {e}); the process hosting it (rank 0 with a tcp:// or env:// "
                 "rendezvous, or the launcher) probably died"
             ) from None
+
+    def _next_sequence(self, store: Any) -> int:
+        """This rank's count of arrivals on this group, kept in the group's store: equal on
+        every rank that called the same steps, whichever Saver, manager or load called them,
+        and gone with the process group (this process keeps no count)."""
+        return int(store.add(f"shardsafe/arrivals/{_group_tag(self)}/r{self.rank}", 1))
 
     def _wait_for_all(self, store: Any, base: str, stage: str, timeout: float) -> None:
         """The last rank to arrive sets ``all``; everyone blocks in the store's ``wait`` for it."""
@@ -149,24 +154,12 @@ class Comm:
         return tdist.get_global_rank(self.group, group_rank)
 
 
-_SEQUENCES: dict[str, int] = {}
-_SEQ_LOCK = threading.Lock()
-
-
 def _group_tag(comm: Comm) -> str:
     """Names the group by its global ranks, the same on every member."""
     if comm.group is None:
         return f"world{comm.world_size}"
     ranks = tdist.get_process_group_ranks(comm.group)
     return f"g{len(ranks)}-{ranks[0]}-{hash(tuple(ranks)) & 0xFFFFFFFF:x}"
-
-
-def _next_sequence(comm: Comm) -> int:
-    """Per-group count of arrivals in this process: equal on every rank that calls the same steps."""
-    tag = _group_tag(comm)
-    with _SEQ_LOCK:
-        _SEQUENCES[tag] = _SEQUENCES.get(tag, 0) + 1
-        return _SEQUENCES[tag]
 
 
 def _store() -> Any:

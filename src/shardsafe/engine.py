@@ -19,10 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import directio
 from .checksum import block_checksums, digest
 from .codec import array_view
-from .directio import CacheAwareReader, aligned_empty, open_data_file, wants_direct
+from .directio import CacheAwareReader, DirectIO, aligned_empty, open_data_file
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import LARGE_ALIGN, LARGE_ITEM, SMALL_ALIGN, Extent, StoredPiece
 from .geometry import Box, flat_index, intersect, is_contiguous_in, strides
@@ -56,21 +55,20 @@ def write_data_file(
     items: Iterable[tuple[Any, memoryview | bytes]],
     block_bytes: int,
     on_bytes: Callable[[int], None] | None = None,
+    direct_io: DirectIO | None = None,
 ) -> tuple[dict[Any, Extent], int]:
     """Write ``items`` into the new file ``rel``; return each item's extent and the file size.
 
     ``items`` may be a generator: each item is dropped once written, so streaming writers
-    hold one item in memory at a time.
+    hold one item in memory at a time. ``direct_io`` is the caller's policy and bounce
+    buffers (a Saver's); without it ``SHARDSAFE_DIRECT_IO`` decides and nothing is kept.
     """
     extents: dict[Any, Extent] = {}
     pos = 0
+    dio = direct_io if direct_io is not None else DirectIO()
     # a stream of items (converters) is never held in memory to decide: the page cache
-    direct = (
-        wants_direct(storage, items)
-        if isinstance(items, Sequence)
-        else directio.DIRECT_IO == "always"
-    )
-    with open_data_file(storage, rel, direct) as f:
+    direct = dio.wants(storage, items) if isinstance(items, Sequence) else dio.mode == "always"
+    with open_data_file(storage, rel, direct, dio.pool) as f:
         for ident, data in items:
             nbytes = len(memoryview(data).cast("B")) if isinstance(data, memoryview) else len(data)
             pad = (-pos) % _align(nbytes)
@@ -154,11 +152,18 @@ class DataReader:
     """Reads verified regions of a checkpoint's data files; thread-safe."""
 
     def __init__(
-        self, storage: Storage, block_bytes: int, max_buffer: int = DEFAULT_MAX_BUFFER
+        self,
+        storage: Storage,
+        block_bytes: int,
+        max_buffer: int = DEFAULT_MAX_BUFFER,
+        direct_io: str | None = None,
     ) -> None:
         self.storage = storage
         self.block_bytes = block_bytes
         self.max_buffer = max_buffer
+        # "auto", "always" or "never"; None: SHARDSAFE_DIRECT_IO, read now. Its bounce
+        # buffers live as long as this reader.
+        self.direct_io = DirectIO(direct_io)
         self._readers: dict[str, RandomReader] = {}
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -170,6 +175,7 @@ class DataReader:
             for r in self._readers.values():
                 r.close()
             self._readers.clear()
+        self.direct_io.close()
 
     def __enter__(self) -> DataReader:
         return self
@@ -182,9 +188,10 @@ class DataReader:
             r = self._readers.get(rel)
             if r is None:
                 try:
-                    r = self.storage.open_read(rel)
-                    if directio.DIRECT_IO != "never" and hasattr(r, "fd") and hasattr(r, "path"):
-                        r = CacheAwareReader(r)
+                    if self.direct_io.reads(self.storage):
+                        r = CacheAwareReader(self.storage.open_file(rel), self.direct_io.pool)
+                    else:
+                        r = self.storage.open_read(rel)
                     self._readers[rel] = r
                 except FileNotFoundError:
                     raise CorruptCheckpointError(

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .codec import decode
+from .directio import direct_io_mode
 from .dist import get_comm, outcome, raise_for
 from .dtypes import dtype_from_name
 from .engine import DEFAULT_MAX_BUFFER, DataReader, ReadTask, default_threads, plan_reads, run_tasks
@@ -223,6 +224,7 @@ def load(
     max_buffer_bytes: int = DEFAULT_MAX_BUFFER,
     timeout: float = 1800.0,
     fully_parallel: bool | str = "auto",
+    direct_io: str | None = None,
 ) -> Any:
     """Load ``path`` into the layout described by ``sharded_state_dict`` (the template).
 
@@ -234,12 +236,15 @@ def load(
     ``fully_parallel``: a piece requested by several ranks is read by one and sent to the others
     (``True``), every rank reads for itself (``False``), or the measured heuristic decides
     (``"auto"``: only over NCCL, see :func:`shardsafe.parallel_load.should_share`).
+    ``direct_io``: whether large reads of uncached data may bypass the page cache (``"auto"``,
+    ``"always"``, ``"never"``; None: ``SHARDSAFE_DIRECT_IO``, default auto).
     """
     strict = StrictHandling(strict)
+    direct_io = direct_io_mode(direct_io)
     comm = get_comm(process_group)
     t0 = time.perf_counter()
     # another framework's directory, e.g. Megatron-Core torch_dist (see register_foreign_loader)
-    foreign = next((fn for detect, fn in _FOREIGN_LOADERS if detect(path)), None)
+    foreign = FOREIGN_LOADERS.find(path)
     if foreign is not None:
         loaded, err = outcome(lambda: foreign(sharded_state_dict, path, strict))
         comm.arrive("load", timeout)
@@ -247,7 +252,12 @@ def load(
         return loaded
     job, err = outcome(
         lambda: _LoadJob(
-            sharded_state_dict, path, strict, threads or default_threads(), max_buffer_bytes
+            sharded_state_dict,
+            path,
+            strict,
+            threads or default_threads(),
+            max_buffer_bytes,
+            direct_io,
         )
     )
     shared: list[SharedPiece] = []
@@ -322,18 +332,46 @@ def load(
 
 
 ForeignLoader = Callable[[Any, "str | os.PathLike[str]", StrictHandling], Any]
-_FOREIGN_LOADERS: list[tuple[Callable[[Any], bool], ForeignLoader]] = []
+
+
+class ForeignLoaders:
+    """The plugin point for other frameworks' checkpoint directories, which ``load`` reads
+    in place of ours: (``detect``, ``loader``) pairs, asked in order.
+
+    ``detect(path)`` says whether ``path`` is one; ``loader(template, path, strict)`` does this
+    rank's part of the load and returns what ``load`` returns. ``import shardsafe`` registers
+    Megatron-Core's torch_dist directories; :attr:`registered` lists the pairs. Higher layers
+    (``convert/``) plug in here without the core importing them.
+    """
+
+    def __init__(self) -> None:
+        self._loaders: list[tuple[Callable[[Any], bool], ForeignLoader]] = []
+
+    def register(self, detect: Callable[[Any], bool], loader: ForeignLoader) -> None:
+        if (detect, loader) not in self._loaders:
+            self._loaders.append((detect, loader))
+
+    def unregister(self, detect: Callable[[Any], bool], loader: ForeignLoader) -> None:
+        if (detect, loader) in self._loaders:
+            self._loaders.remove((detect, loader))
+
+    @property
+    def registered(self) -> tuple[tuple[Callable[[Any], bool], ForeignLoader], ...]:
+        return tuple(self._loaders)
+
+    def find(self, path: Any) -> ForeignLoader | None:
+        """The loader of the first pair whose ``detect(path)`` is true, or None (ours)."""
+        return next((fn for detect, fn in self._loaders if detect(path)), None)
+
+
+FOREIGN_LOADERS = ForeignLoaders()
+"""The foreign loaders of this process (see :class:`ForeignLoaders`)."""
 
 
 def register_foreign_loader(detect: Callable[[Any], bool], loader: ForeignLoader) -> None:
-    """Let ``load`` read another framework's checkpoint directory in place of ours.
-
-    ``detect(path)`` says whether ``path`` is one; ``loader(template, path, strict)`` does this
-    rank's part of the load and returns what ``load`` returns. Higher layers (``convert/``)
-    plug in this way without the core importing them.
-    """
-    if (detect, loader) not in _FOREIGN_LOADERS:
-        _FOREIGN_LOADERS.append((detect, loader))
+    """Let ``load`` read another framework's checkpoint directory in place of ours
+    (``FOREIGN_LOADERS.register``)."""
+    FOREIGN_LOADERS.register(detect, loader)
 
 
 def _request_from_json(q: list[Any]) -> Request:
@@ -350,10 +388,12 @@ class _LoadJob:
         strict: StrictHandling,
         threads: int,
         max_buffer: int,
+        direct_io: str | None = None,
     ) -> None:
         self.path = path
         self.threads = threads
         self.max_buffer = max_buffer
+        self.direct_io = direct_io
         self.manifest, self.storage = read_manifest(path)
         manifest = self.manifest
         self.where = self.storage.describe(MANIFEST_NAME)
@@ -427,7 +467,9 @@ class _LoadJob:
             if index not in receive:
                 tasks.extend(t)
                 finishers.append(fin)
-        with DataReader(self.storage, self.manifest.block_bytes, self.max_buffer) as reader:
+        with DataReader(
+            self.storage, self.manifest.block_bytes, self.max_buffer, self.direct_io
+        ) as reader:
             run_tasks(reader, tasks, self.threads)
         for fin in finishers:
             fin()
@@ -449,7 +491,9 @@ class _LoadJob:
     def common(self) -> Any:
         """The checkpoint's common state, decoded once when first needed."""
         if self._common is _ABSENT:
-            with DataReader(self.storage, self.manifest.block_bytes, self.max_buffer) as reader:
+            with DataReader(
+                self.storage, self.manifest.block_bytes, self.max_buffer, self.direct_io
+            ) as reader:
                 fetch = self._fetcher(reader)
                 self._common = decode(self.manifest.common, fetch, f"{self.where}: common state")
         return self._common
@@ -458,7 +502,9 @@ class _LoadJob:
         """Decode objects; merge everything into the template's structure; read the stored
         tensors the template has no place for (a fresh optimizer's state) whole."""
         manifest, where = self.manifest, self.where
-        with DataReader(self.storage, manifest.block_bytes, self.max_buffer) as reader:
+        with DataReader(
+            self.storage, manifest.block_bytes, self.max_buffer, self.direct_io
+        ) as reader:
             fetch = self._fetcher(reader)
             for _, o in self.split.objects:
                 if o.unique_key in self.skip:

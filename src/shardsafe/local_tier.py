@@ -37,6 +37,7 @@ import torch.distributed as tdist
 
 from .checksum import DEFAULT_BLOCK_BYTES, digest
 from .commit import assemble, check_files, commit
+from .directio import DirectIO
 from .directory import StepDirectory
 from .dist import error_record, get_comm, outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
@@ -46,18 +47,10 @@ from .lease import LEASE_SECONDS, Lease
 from .loading import files_to_read
 from .location import Location, locate
 from .peers import Copy, Place, complete_steps, place_ranks, plan_copies, replica_peers
+from .save_plan import PlanCache, PlannedSave, plan_save
+from .save_target import abort, begin, work_dir
+from .save_write import ShareItems, encode_share, write_share
 from .saver import AsyncSaveHandle
-from .saving import (
-    PlanCache,
-    PlannedSave,
-    ShareItems,
-    abort,
-    begin,
-    encode_share,
-    plan_save,
-    work_dir,
-    write_share,
-)
 from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
 from .staging import StagingPool
 from .storage import is_url
@@ -92,6 +85,7 @@ class LocalTier:
         files_per_rank: int = 2,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         verify_after_write: bool = False,
+        direct_io: str | None = None,
     ) -> None:
         text = os.fspath(root)
         if is_url(text):
@@ -111,6 +105,7 @@ class LocalTier:
         self.files_per_rank = files_per_rank
         self.block_bytes = block_bytes
         self.verify_after_write = verify_after_write
+        self.direct_io = DirectIO(direct_io)
         comm = self.comm
         mine: Place = (self.host, self.root)
         places = comm.all_gather(list(mine)) if comm.distributed else [list(mine)]
@@ -263,6 +258,7 @@ class LocalTier:
                     self.files_per_rank,
                     self.block_bytes,
                     verify_after_write=self.verify_after_write,
+                    direct_io=self.direct_io,
                 )
             )
         # every rank takes part in the copying, even after a failure of its own: peers wait for it
@@ -603,6 +599,7 @@ class LocalTier:
         finally:
             self._writer.shutdown(wait=True)
             self.staging.release()
+            self.direct_io.close()
             self._clients = None
 
     # -- restoring --------------------------------------------------------------------------

@@ -43,8 +43,7 @@ from .lease import LEASE_SECONDS
 from .loading import StrictHandling, load
 from .local_tier import Drain, LocalTier
 from .location import locate
-from .saver import AsyncSaveHandle, Saver
-from .saving import SaveStats
+from .saver import AsyncSaveHandle, Saver, SaveStats
 from .sharding import (
     CoordinatorObject,
     LocalNonPersistentObject,
@@ -89,6 +88,7 @@ class CheckpointManager:
         node_id: str | None = None,
         local_keep_last: int = 2,
         drain: bool = False,
+        direct_io: str | None = None,
     ) -> None:
         for what, value in (
             ("keep_last", keep_last),
@@ -113,6 +113,7 @@ class CheckpointManager:
             dead_after=dead_after,
             lease_ttl=lease_ttl,
             verify_after_write=verify_after_write,
+            direct_io=direct_io,
         )
         self._lock = threading.Lock()  # guards _active and _pending
         self._maintenance = threading.Lock()  # one pointer update / deletion pass at a time
@@ -141,6 +142,7 @@ class CheckpointManager:
                 dead_after=dead_after,
                 lease_ttl=lease_ttl,
                 verify_after_write=verify_after_write,
+                direct_io=direct_io,
             )
 
     def _make_directory(self, root: str | os.PathLike[str]) -> CheckpointDirectory:

@@ -41,8 +41,7 @@ from .errors import CheckpointError, call_each
 from .loading import StrictHandling, load
 from .manager import CheckpointManager
 from .reader import CheckpointReader
-from .saver import AsyncSaveHandle
-from .saving import SaveStats
+from .saver import AsyncSaveHandle, SaveStats
 from .sharding import ShardedTensor
 
 NEWEST = "newest"
@@ -109,32 +108,107 @@ def _check_tag(tag: str) -> str:
 
 
 # -- one manager per (directory, process group), so async saves and retention carry over -----
-_MANAGERS: dict[tuple[str, int], TagManager] = {}
-_MANAGERS_LOCK = threading.Lock()
-_ATEXIT = [False]
+class NeuronCheckpoints:
+    """The state of ``save_checkpoint``/``load_checkpoint``: one manager per (directory,
+    process group), so that an async save in flight and retention carry over between calls.
+
+    The module-level functions use :data:`DEFAULT` (closed at exit, and by
+    ``shardsafe.release()``); hold your own to choose its lifetime, and ``close()`` it
+    (``close_at_exit=True`` also closes it when the interpreter exits, once it was used).
+    """
+
+    def __init__(self, *, close_at_exit: bool = False) -> None:
+        self._managers: dict[tuple[str, int], TagManager] = {}
+        self._lock = threading.Lock()
+        self._close_at_exit = close_at_exit
+        self._at_exit_registered = False
+
+    def manager(self, checkpoint_dir: str | os.PathLike[str], process_group: Any) -> TagManager:
+        """The manager of ``checkpoint_dir`` for ``process_group`` (made on first use)."""
+        probe = TagDirectory(checkpoint_dir)
+        key = (probe.url, id(process_group) if process_group is not None else 0)
+        with self._lock:
+            manager = self._managers.get(key)
+            if manager is None or manager._closed:
+                manager = self._managers[key] = TagManager(
+                    checkpoint_dir, async_save=False, process_group=process_group
+                )
+            if self._close_at_exit and not self._at_exit_registered:
+                atexit.register(self.close)
+                self._at_exit_registered = True
+            return manager
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._managers)
+
+    def save_checkpoint(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        tag: str,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        user_content: Any = None,
+        async_save: bool = False,
+        num_kept_ckpts: int | None = None,
+        process_group: Any = None,
+    ) -> AsyncSaveHandle | SaveStats:
+        """See the module-level :func:`save_checkpoint`."""
+        return _save_checkpoint(
+            self.manager(checkpoint_dir, process_group),
+            tag,
+            model,
+            optimizer,
+            scheduler,
+            user_content,
+            async_save,
+            num_kept_ckpts,
+            process_group,
+        )
+
+    def load_checkpoint(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        process_group: Any = None,
+        *,
+        strict: bool = True,
+        fallback: bool = True,
+    ) -> Any:
+        """See the module-level :func:`load_checkpoint`."""
+        return _load_checkpoint(
+            self.manager(checkpoint_dir, process_group),
+            tag,
+            model,
+            optimizer,
+            scheduler,
+            process_group,
+            strict,
+            fallback,
+        )
+
+    def close(self) -> None:
+        """Wait for every async save in flight, then free the managers (their savers' memory,
+        threads and connections); later calls make fresh ones."""
+        with self._lock:
+            managers = list(self._managers.values())
+            self._managers.clear()
+        call_each(m.close for m in managers)
 
 
-def _manager(checkpoint_dir: str | os.PathLike[str], process_group: Any) -> TagManager:
-    probe = TagDirectory(checkpoint_dir)
-    key = (probe.url, id(process_group) if process_group is not None else 0)
-    with _MANAGERS_LOCK:
-        manager = _MANAGERS.get(key)
-        if manager is None or manager._closed:
-            manager = _MANAGERS[key] = TagManager(
-                checkpoint_dir, async_save=False, process_group=process_group
-            )
-        if not _ATEXIT[0]:
-            atexit.register(finalize_checkpoint)
-            _ATEXIT[0] = True
-        return manager
+DEFAULT = NeuronCheckpoints(close_at_exit=True)
+"""What the module-level functions use; :func:`finalize_checkpoint` and ``shardsafe.release()``
+close it, and so does the interpreter's exit."""
 
 
 def finalize_checkpoint() -> None:
-    """Wait for every async save in flight (called at exit; call it before tearing down the process group)."""
-    with _MANAGERS_LOCK:
-        managers = list(_MANAGERS.values())
-        _MANAGERS.clear()
-    call_each(m.close for m in managers)
+    """Wait for every async save in flight (called at exit; call it before tearing down the
+    process group) and free the default managers."""
+    DEFAULT.close()
 
 
 def has_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> bool:
@@ -363,7 +437,30 @@ def save_checkpoint(
     ``load_checkpoint`` or :func:`finalize_checkpoint` waits for it). ``num_kept_ckpts``
     (None or -1: all) deletes the oldest committed tags beyond that many, after the commit.
     """
-    manager = _manager(checkpoint_dir, process_group)
+    return DEFAULT.save_checkpoint(
+        checkpoint_dir,
+        tag,
+        model,
+        optimizer,
+        scheduler,
+        user_content,
+        async_save,
+        num_kept_ckpts,
+        process_group,
+    )
+
+
+def _save_checkpoint(
+    manager: TagManager,
+    tag: str,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    user_content: Any,
+    async_save: bool,
+    num_kept_ckpts: int | None,
+    process_group: Any,
+) -> AsyncSaveHandle | SaveStats:
     rank = get_comm(process_group).rank
     state: dict[str, Any] = {}
     if model is not None:
@@ -401,7 +498,28 @@ def load_checkpoint(
     older intact one is loaded instead on every rank (``fallback=False`` raises instead), as
     :meth:`CheckpointManager.restore` does.
     """
-    manager = _manager(checkpoint_dir, process_group)
+    return DEFAULT.load_checkpoint(
+        checkpoint_dir,
+        tag,
+        model,
+        optimizer,
+        scheduler,
+        process_group,
+        strict=strict,
+        fallback=fallback,
+    )
+
+
+def _load_checkpoint(
+    manager: TagManager,
+    tag: str | None,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    process_group: Any,
+    strict: bool,
+    fallback: bool,
+) -> Any:
     comm = get_comm(process_group)
 
     def load_into(path: str) -> Any:
@@ -466,7 +584,9 @@ def _template(
 
 
 __all__ = [
+    "DEFAULT",
     "NEWEST",
+    "NeuronCheckpoints",
     "TagDirectory",
     "TagManager",
     "finalize_checkpoint",

@@ -1,8 +1,11 @@
 """``save`` and ``async_save``, and the :class:`Saver` that keeps their reusable state.
 
-A Saver holds what repeated saves reuse: the cached global plan, the host staging arenas
-and the one background writer thread. ``shardsafe.save``/``async_save`` use one Saver per
-process group (``default_saver``); make your own to control its lifetime.
+A Saver holds what repeated saves reuse: the cached global plan, the host staging arenas,
+the direct-I/O policy and bounce buffers, and the one background writer thread; ``close``
+frees them. It runs the steps of a save, each in its module: plan (:mod:`.save_plan`, with
+:mod:`.save_target`), stage (:mod:`.staging`), write (:mod:`.save_write`), commit
+(:mod:`.commit`). ``shardsafe.save``/``async_save`` use one Saver per process group
+(``default_saver``); make your own to control its lifetime.
 
 What ``async_save`` blocks on: planning (one tiny all-gather when the plan is cached), and
 the copy of this rank's share into host memory. Writing, checksums, fsync and the commit
@@ -24,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -31,22 +35,14 @@ import torch
 from .checksum import DEFAULT_BLOCK_BYTES
 from .codec import tensor_bytes
 from .commit import finalize
+from .directio import DirectIO
 from .dist import Comm, get_comm, outcome, raise_for
 from .errors import call_each
 from .lease import LEASE_SECONDS
 from .location import locate
-from .saving import (
-    PlanCache,
-    PlannedSave,
-    SaveStats,
-    ShareItems,
-    abort,
-    encode_share,
-    merge_results,
-    plan_save,
-    waves,
-    write_share,
-)
+from .save_plan import PlanCache, PlannedSave, plan_save
+from .save_target import abort
+from .save_write import ShareItems, encode_share, merge_results, waves, write_share
 from .sharding import ShardedTensor
 from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
 from .staging import StagingPool
@@ -55,6 +51,21 @@ log = logging.getLogger("shardsafe")
 
 ProgressFn = Callable[[str, int, int], None]
 """``progress(stage, done_bytes, total_bytes)`` with stage ``"staged"``, ``"written"`` or ``"committed"``."""
+
+
+@dataclass
+class SaveStats:
+    """What one save did. ``bytes_written`` is this rank's share, ``total_bytes`` the checkpoint's."""
+
+    path: str
+    bytes_written: int = 0
+    total_bytes: int = 0
+    seconds: float = 0.0
+    seconds_planning: float = 0.0
+    seconds_blocked: float = 0.0
+    seconds_writing: float = 0.0
+    plan_cached: bool = False
+    files: list[str] = field(default_factory=list)
 
 
 class AsyncSaveHandle:
@@ -115,8 +126,12 @@ class Saver:
         dead_after: float = DEAD_AFTER,
         lease_ttl: float = LEASE_SECONDS,
         verify_after_write: bool = False,
+        direct_io: str | None = None,
     ) -> None:
         self.process_group = process_group
+        # when data files bypass the page cache: "auto", "always" or "never"; None reads
+        # SHARDSAFE_DIRECT_IO now. Holds the bounce buffers of direct writes until close().
+        self.direct_io = DirectIO(direct_io)
         # read every data file back from the device once durable; rewrite once on a mismatch
         self.verify_after_write = verify_after_write
         self.files_per_rank = files_per_rank
@@ -183,6 +198,7 @@ class Saver:
                 self.block_bytes,
                 _counter(progress, "written"),
                 verify_after_write=self.verify_after_write,
+                direct_io=self.direct_io,
             )
         )
         t_write = time.perf_counter() - t1
@@ -249,6 +265,7 @@ class Saver:
                         self.block_bytes,
                         first_file=first,
                         verify_after_write=self.verify_after_write,
+                        direct_io=self.direct_io,
                     )
                 )
             s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=True)
@@ -292,6 +309,7 @@ class Saver:
                                 _counter(progress, "written"),
                                 first_file=sum(len(r["files"]) for r in early),
                                 verify_after_write=self.verify_after_write,
+                                direct_io=self.direct_io,
                             ),
                         ]
                     )
@@ -422,6 +440,7 @@ class Saver:
         finally:
             self._writer.shutdown(wait=True)
             self.staging.release()
+            self.direct_io.close()
             self._clients = None
 
 

@@ -406,25 +406,49 @@ class _Placeholder:
 PLACEHOLDER = _Placeholder()
 
 
-_ADAPTERS: list[Callable[[Any], Any]] = []
+class StateDictAdapters:
+    """The plugin point for framework leaves: the adapters ``save`` and ``load`` apply, in order.
+
+    ``adapter(tree)`` returns the tree with such leaves replaced by sharded entities (or the
+    tree itself when it has none). ``import shardsafe`` registers two (DTensor, Megatron-Core);
+    :attr:`registered` lists them. Higher layers plug in here without the core importing them.
+    """
+
+    def __init__(self) -> None:
+        self._adapters: list[Callable[[Any], Any]] = []
+
+    def register(self, adapter: Callable[[Any], Any]) -> None:
+        """Apply ``adapter`` after those registered before it (once, however often registered)."""
+        if adapter not in self._adapters:
+            self._adapters.append(adapter)
+
+    def unregister(self, adapter: Callable[[Any], Any]) -> None:
+        if adapter in self._adapters:
+            self._adapters.remove(adapter)
+
+    @property
+    def registered(self) -> tuple[Callable[[Any], Any], ...]:
+        return tuple(self._adapters)
+
+    def __call__(self, tree: Any) -> Any:
+        for adapter in self._adapters:
+            tree = adapter(tree)
+        return tree
+
+
+STATE_DICT_ADAPTERS = StateDictAdapters()
+"""The adapters of this process (see :class:`StateDictAdapters`)."""
 
 
 def register_state_dict_adapter(adapter: Callable[[Any], Any]) -> None:
-    """Let ``save``/``load`` accept framework leaves (DTensors...) by rewriting them first.
-
-    ``adapter(tree)`` returns the tree with such leaves replaced by sharded entities (or the
-    tree itself when it has none). This is how higher layers plug in without the core
-    importing them.
-    """
-    if adapter not in _ADAPTERS:
-        _ADAPTERS.append(adapter)
+    """Let ``save``/``load`` accept framework leaves (DTensors...) by rewriting them first
+    (``STATE_DICT_ADAPTERS.register``)."""
+    STATE_DICT_ADAPTERS.register(adapter)
 
 
 def adapt(tree: Any) -> Any:
-    """Apply the registered adapters (see :func:`register_state_dict_adapter`)."""
-    for adapter in _ADAPTERS:
-        tree = adapter(tree)
-    return tree
+    """Apply the registered adapters (see :class:`StateDictAdapters`)."""
+    return STATE_DICT_ADAPTERS(tree)
 
 
 def apply_factories(tree: Any) -> Any:

@@ -23,7 +23,7 @@ from ..engine import write_data_file
 from ..format import Extent, FileEntry, Manifest, StoredPiece, TensorEntry
 from ..location import locate
 from ..reader import CheckpointReader
-from ..saving import abort, begin, file_name, work_dir
+from ..save_target import abort, begin, file_name, work_dir
 from .source import Progress, TensorSource, read_checked, total_nbytes, warn_unexported
 
 

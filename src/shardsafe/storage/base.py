@@ -23,6 +23,15 @@ class RandomReader(Protocol):
     def close(self) -> None: ...
 
 
+class FileReader(RandomReader, Protocol):
+    """A reader of one local file that also gives its open descriptor, for readers that
+    bypass the page cache (``Storage.open_file``, where ``Storage.direct_io``)."""
+
+    path: str
+
+    def fileno(self) -> int: ...
+
+
 class _DelegatingReader:
     def __init__(self, storage: Storage, rel: str) -> None:
         self.storage, self.rel = storage, rel
@@ -40,7 +49,8 @@ class Storage(ABC):
     #: True when ``rename`` of a directory is atomic (POSIX); object stores commit by a marker.
     atomic_rename: bool = False
     #: True when data files may be written and read with ``O_DIRECT`` at ``self.path(rel)``
-    #: (local file systems); the direct-I/O code asks this instead of the backend's type.
+    #: and ``open_file`` gives their descriptors (local file systems); the direct-I/O code
+    #: asks this instead of the backend's type.
     direct_io: bool = False
 
     def __init__(self, root: str) -> None:
@@ -73,6 +83,10 @@ class Storage(ABC):
     def open_read(self, rel: str) -> RandomReader:
         """A handle for many ranged reads of one file (backends may keep it open)."""
         return _DelegatingReader(self, rel)
+
+    def open_file(self, rel: str) -> FileReader:
+        """Like ``open_read``, with the file's descriptor; only where ``direct_io``."""
+        raise NotImplementedError(f"{type(self).__name__} has no direct I/O (direct_io is False)")
 
     @abstractmethod
     @contextmanager

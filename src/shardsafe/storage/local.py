@@ -63,6 +63,9 @@ class LocalStorage(Storage):
     def open_read(self, rel: str) -> _FdReader:
         return _FdReader(self.path(rel), self.open_fd(rel))
 
+    def open_file(self, rel: str) -> _FdReader:
+        return self.open_read(rel)
+
     @contextmanager
     def open_write(self, rel: str) -> Iterator[BinaryIO]:
         path = self.path(rel)
@@ -273,6 +276,9 @@ class _FdReader:
 
     def read_into(self, offset: int, out: memoryview, /) -> None:
         read_fd_into(self.fd, offset, out, self.path)
+
+    def fileno(self) -> int:
+        return self.fd
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -1,0 +1,322 @@
+"""The first step of a save: describe, check and plan (collective).
+
+Every rank applies factories, splits off the common state and describes its pieces
+(:func:`prepare`); the common state and plain tensors, which every rank must hold
+identically, are digested and compared. The coordinator validates the union and picks one
+writer per unique piece, balanced by bytes over the replicas. A cached plan
+(:class:`PlanCache`) is reused when every rank's full local structure is unchanged, agreed
+with one tiny all-gather. The coordinator also takes the save's lease
+(:func:`shardsafe.save_target.begin`). Errors of any rank reach every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import torch
+import xxhash
+
+from .checksum import digest
+from .codec import encode, tensor_bytes
+from .dist import Comm, error_record, outcome, raise_for
+from .dtypes import dtype_name
+from .errors import UnsafeObjectError, ValidationError
+from .lease import LEASE_SECONDS, Lease
+from .location import Location
+from .planning import GlobalPlan, LocalPlan, ObjectDesc, PieceDesc, RankAssignment, make_global_plan
+from .save_target import abort, begin
+from .sharding import (
+    PLACEHOLDER,
+    CoordinatorObject,
+    Path,
+    ShardedObject,
+    ShardedTensor,
+    SplitStateDict,
+    adapt,
+    apply_factories,
+    format_path,
+    is_main_replica,
+    split_state_dict,
+)
+
+CoordinatorPlan = tuple[list[LocalPlan], GlobalPlan]
+"""The coordinator's view of a plan: every rank's local plan and the global plan."""
+T = TypeVar("T")
+
+
+def piece_desc(st: ShardedTensor) -> PieceDesc:
+    box = st.chunk_box
+    return PieceDesc(
+        st.key,
+        dtype_name(st.dtype),
+        st.global_shape,
+        box.offset,
+        box.shape,
+        st.flat_bounds,
+        is_main_replica(st.replica_id),
+        st.numel * st.dtype.itemsize,
+    )
+
+
+def object_desc(obj: ShardedObject) -> ObjectDesc:
+    return ObjectDesc(
+        obj.unique_key,
+        obj.key,
+        obj.global_shape,
+        obj.global_offset,
+        is_main_replica(obj.replica_id),
+    )
+
+
+def prepare(sharded_state_dict: Any, rank: int) -> tuple[SplitStateDict, LocalPlan]:
+    """Apply factories, split off common state, describe this rank's pieces.
+
+    Plain tensor leaves are replicas of one whole tensor: rank 0's is the main one.
+    """
+    split = split_state_dict(apply_factories(adapt(sharded_state_dict)))
+    for i in split.replicated:
+        path, st = split.tensors[i]
+        split.tensors[i] = (path, replace(st, replica_id=rank))
+    for _, st in split.tensors:
+        if st.data is None:
+            raise ValidationError(f"{st.key!r}: a ShardedTensor without data cannot be saved")
+        st.validate_metadata_integrity()
+    plan = LocalPlan(
+        rank,
+        tuple(piece_desc(st) for _, st in split.tensors),
+        tuple(object_desc(o) for _, o in split.objects),
+    )
+    return split, plan
+
+
+def replica_digests(split: SplitStateDict, tensors: bool = True) -> dict[str, str]:
+    """A digest per common leaf and per plain (replicated) tensor, named as errors name them.
+
+    Encoding every common leaf here also refuses, before anything is written, a value that
+    could not be stored or loaded back.
+    """
+    out: dict[str, str] = {}
+
+    def walk(node: Any, path: Path) -> None:
+        if isinstance(node, CoordinatorObject) or node is PLACEHOLDER:
+            return  # rank 0's by choice; a sharded entry (lists keep its place)
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, (*path, k))
+            return
+        if isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, (*path, i))
+            return
+        try:
+            enc = encode(node, "")
+        except (ValidationError, UnsafeObjectError) as e:
+            raise type(e)(f"{format_path(path)}: {e}") from None
+        parts = [json.dumps(enc.node, sort_keys=True).encode()]
+        parts += [bytes(b) for b in enc.blobs.values()]
+        out[f"common state {format_path(path)}"] = digest(b"\0".join(parts))
+
+    walk(split.common, ())
+    for i in split.replicated if tensors else ():
+        st = split.tensors[i][1]
+        assert st.data is not None
+        out[f"tensor {st.key!r}"] = tensor_digest(st.data)
+    return out
+
+
+def tensor_digest(t: Any, chunk_bytes: int = 64 << 20, chunked: bool | None = None) -> str:
+    """xxh3-64 of a tensor's bytes; a device tensor is copied to the host one chunk at a time
+    (``chunked``, the default off the CPU), so comparing replicas never holds more than
+    ``chunk_bytes`` of it in host memory. Both ways give the same digest."""
+    if not (t.device.type != "cpu" if chunked is None else chunked):
+        return digest(tensor_bytes(t))
+    h = xxhash.xxh3_64()
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), chunk_bytes):
+        h.update(tensor_bytes(flat[start : start + chunk_bytes]))
+    return h.hexdigest()
+
+
+def divergence(digests: Sequence[dict[str, str]]) -> str | None:
+    """Which common leaves / replicated tensors differ between ranks, or None."""
+    names = sorted(set().union(*digests))
+    bad = []
+    for name in names:
+        values = [d.get(name) for d in digests]
+        if len(set(values)) > 1:
+            groups: dict[str | None, list[int]] = {}
+            for rank, v in enumerate(values):
+                groups.setdefault(v, []).append(rank)
+            ranks = "; ".join(
+                ("absent on" if v is None else "one value on") + f" ranks {rs}"
+                for v, rs in groups.items()
+            )
+            bad.append(f"{name} ({ranks})")
+    if not bad:
+        return None
+    more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+    return (
+        f"{len(bad)} value{'s' if len(bad) != 1 else ''} that every rank must hold identically "
+        f"differ between ranks: {', '.join(bad[:10])}{more}. Common state and plain tensors are "
+        "saved once; give each rank's part its own key (ShardedTensor / ShardedObject), or wrap "
+        "the value in shardsafe.CoordinatorObject to store rank 0's copy on purpose"
+    )
+
+
+def combined(digests: dict[str, str]) -> str:
+    return digest(json.dumps(sorted(digests.items())).encode())
+
+
+@dataclass
+class _CacheEntry:
+    structure: str
+    plan_id: str
+    assignment: RankAssignment
+    coordinator_plan: CoordinatorPlan | None
+
+
+@dataclass
+class PlanCache:
+    """The last global plan, reused while every rank's local structure is unchanged."""
+
+    entry: _CacheEntry | None = None
+    hits: int = 0
+    misses: int = 0
+
+
+@dataclass
+class PlannedSave:
+    loc: Location
+    token: str
+    split: SplitStateDict
+    local_plan: LocalPlan
+    assignment: RankAssignment
+    coordinator_plan: CoordinatorPlan | None
+    cached: bool
+    lease: Lease | None = None  # the coordinator's, renewed until commit or abort
+
+
+def plan_save(
+    comm: Comm,
+    sharded_state_dict: Any,
+    loc: Location,
+    overwrite: bool,
+    cache: PlanCache | None,
+    content_metadata: Mapping[str, Any] | None = None,
+    timeout: float = 1800.0,
+    lease_ttl: float = LEASE_SECONDS,
+) -> PlannedSave:
+    """Collective: validate and plan (or reuse the cached plan); raise the same error everywhere."""
+
+    def checked() -> tuple[SplitStateDict, LocalPlan, dict[str, str]]:
+        check_content_metadata(content_metadata)
+        split, plan = prepare(sharded_state_dict, comm.rank)
+        return split, plan, replica_digests(split, tensors=comm.distributed)
+
+    prepared3, err = outcome(checked)
+    prepared = prepared3[:2] if prepared3 else None
+    digests = prepared3[2] if prepared3 else {}
+    structure = (
+        f"{comm.world_size}/{comm.rank}/{prepared[1].structure_hash()}" if prepared else None
+    )
+    candidate = (
+        cache.entry.plan_id
+        if cache and cache.entry and cache.entry.structure == structure
+        else None
+    )
+    token = uuid.uuid4().hex[:16]
+    lease: Lease | None = None
+    if comm.is_coordinator and err is None:
+        lease, err = outcome(lambda: begin(loc, token, overwrite, lease_ttl))
+    try:
+        comm.arrive("save planning", timeout)
+    except BaseException:
+        if lease is not None:
+            abort(loc, token, lease)
+        raise
+    votes = _or_abort(
+        lease,
+        loc,
+        token,
+        lambda: comm.all_gather(
+            {
+                "cached": candidate,
+                "error": err,
+                "token": token if comm.is_coordinator else None,
+                "digest": combined(digests),
+            }
+        ),
+    )
+    errors = [v["error"] for v in votes]
+    if not any(errors) and len({v["digest"] for v in votes}) > 1:
+        every = _or_abort(lease, loc, token, lambda: comm.all_gather(digests))
+        errors = [error_record(ValidationError(divergence(every) or "state differs"))] * len(votes)
+    if any(errors):
+        if lease is not None:
+            abort(loc, token, lease)
+        raise_for(errors, "save planning")
+    token = votes[0]["token"]
+    assert prepared is not None
+    split, local_plan = prepared
+    if candidate is not None and all(v["cached"] == candidate for v in votes):
+        assert cache is not None and cache.entry is not None
+        cache.hits += 1
+        return PlannedSave(
+            loc,
+            token,
+            split,
+            local_plan,
+            cache.entry.assignment,
+            cache.entry.coordinator_plan,
+            True,
+            lease,
+        )
+
+    gathered = _or_abort(lease, loc, token, lambda: comm.gather(local_plan.to_json()))
+    replies: list[Any] | None = None
+    coordinator_plan: CoordinatorPlan | None = None
+    if gathered is not None:
+        try:
+            plans = [LocalPlan.from_json(g) for g in gathered]
+            plan = make_global_plan(plans)
+            coordinator_plan = (plans, plan)
+            replies = [
+                {"assignment": plan.assignments[r].to_json(), "plan_id": token}
+                for r in range(len(plans))
+            ]
+        except Exception as e:
+            abort(loc, token, lease)
+            replies = [{"errors": [error_record(e)] * len(gathered)}] * len(gathered)
+    reply = _or_abort(lease, loc, token, lambda: comm.scatter(replies))
+    raise_for(reply.get("errors") or [], "save planning")
+    assignment = RankAssignment.from_json(reply["assignment"])
+    if cache is not None and structure is not None:
+        cache.misses += 1
+        cache.entry = _CacheEntry(structure, reply["plan_id"], assignment, coordinator_plan)
+    return PlannedSave(loc, token, split, local_plan, assignment, coordinator_plan, False, lease)
+
+
+def _or_abort(lease: Lease | None, loc: Location, token: str, fn: Callable[[], T]) -> T:
+    """A collective of planning; if it fails (a peer died), the coordinator drops its lease."""
+    try:
+        return fn()
+    except BaseException:
+        if lease is not None:
+            abort(loc, token, lease)
+        raise
+
+
+def check_content_metadata(content_metadata: Mapping[str, Any] | None) -> None:
+    """It is stored as plain JSON in the manifest: refuse anything else before writing data."""
+    if content_metadata is None:
+        return
+    try:
+        json.dumps(dict(content_metadata), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValidationError(
+            f"content_metadata must be plain JSON data (str keys; str, int, float, bool, None, lists, dicts): {e}"
+        ) from None
