@@ -417,7 +417,8 @@ def task_saves(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     }
     managers["persistent"] = CheckpointManager(p["persistent"] + "-saves", keep_last=2)
     out: dict[str, Any] = {k: {"total": [], "blocked": []} for k in managers}
-    for step in range(1, 2 + cfg["repeat"]):  # step 1 warms up: the plan is cached after it
+    rounds = max(5, cfg["repeat"])  # saves are short and noisy: a few more samples
+    for step in range(1, 2 + rounds):  # step 1 warms up: the plan is cached after it
         # in turn, the order reversed every other round, so that all see the same drift
         for key, mgr in sorted(managers.items(), reverse=step % 2 == 1):
             dist.barrier()
