@@ -743,7 +743,8 @@ def report(results: dict[str, Any]) -> str:
         off, on = med(v["local_verify0"]["total"]), med(v["local_verify1"]["total"])
         pers = med(v["persistent"]["total"])
         p(
-            f"   one save, call to committed on every host: local {off:.3f} s = "
+            f"   one save, call to committed on every host (median of {len(v['persistent']['total'])}): "
+            f"local {off:.3f} s = "
             f"{off / base:.1f} steps of this loop, persistent {pers:.3f} s = {pers / base:.1f} steps"
         )
         p(
