@@ -25,7 +25,8 @@ shardsafe already imported, as in a restarted job after its imports), and is the
 2. Training-step overhead: ``--steps`` steps of a fixed CPU matmul loop (``--step-ms`` alone)
    plus a small all-reduce, with no saves, a local save every step (async; the persistent tier
    never), and an async persistent save every step, the three taking turns in blocks of a few
-   steps: the time each ``save`` call blocks and the step time against the run without saves.
+   steps: the time each ``save`` call blocks and the step time against the run without saves;
+   then a local save every N steps, N from the measured save time (item 3) and ``--step-ms``.
 3. One save, call to committed on every host: local, without and with ``verify_after_write``,
    and persistent; from these and the step time, the ``local_every`` at which a local save no
    longer waits for the previous one.
@@ -142,11 +143,11 @@ def manager(cfg: dict[str, Any], rank: int, world: int, **kw: Any) -> Checkpoint
     """The manager a job on two hosts builds: local tier with one copy on the other host."""
     p = paths(cfg, rank, world)
     kw.setdefault("persistent_every", 1)
+    kw.setdefault("local_every", 1)
     return CheckpointManager(
         kw.pop("root", p["persistent"]),
         local_root=kw.pop("local_root", p["local"]),
         node_id=host_of(rank, world),
-        local_every=1,
         replicas=1,
         **kw,
     )
@@ -390,6 +391,32 @@ def task_steps(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for mgr in managers.values():
         if mgr is not None:
             mgr.close()
+    # a local save every N steps, N from the measured save time: enough steps for 3 saves
+    every = cfg["local_every"]
+    mgr = manager(
+        cfg,
+        rank,
+        world,
+        root=p["persistent"] + "-every",
+        local_root=p["local"] + "-every",
+        local_every=every,
+        persistent_every=NEVER,
+    )
+    out["local_every_n"] = {"steps": [], "blocked": [], "drain": 0.0}
+    dist.barrier()
+    for step in range(1, max(cfg["steps"], 3 * every) + 1):
+        t0 = time.perf_counter()
+        _matmul_step(a, iters)
+        dist.all_reduce(grad)
+        state["step"] = step
+        t1 = time.perf_counter()
+        mgr.save(step, state)
+        if step % every == 0:
+            out["local_every_n"]["blocked"].append(time.perf_counter() - t1)
+        out["local_every_n"]["steps"].append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    mgr.close()
+    out["local_every_n"]["drain"] = time.perf_counter() - t0
     dist.barrier()
     return out
 
@@ -606,9 +633,16 @@ def run_world(world: int, cfg: dict[str, Any], log: Callable[[str], None]) -> di
     log(
         f"world {world}: limits {', '.join(f'{n} {min(v):.3f} s' for n, v in run['limits'].items())}"
     )
-    ranks = launch("task_steps", world, cfg, 900)
-    steps: dict[str, Any] = {"iters": ranks[0]["iters"]}
-    for mode in ("none", "local_every_step", "persistent_every_step"):
+    ranks = launch("task_saves", world, cfg, 900)
+    run["saves"] = {
+        key: {m: [max(v) for v in zip(*(r[key][m] for r in ranks))] for m in ("total", "blocked")}
+        for key in ("local_verify0", "local_verify1", "persistent")
+    }
+    # the local_every at which a local save should no longer wait for the previous one
+    every = max(1, math.ceil(med(run["saves"]["local_verify0"]["total"]) / (cfg["step_ms"] / 1e3)))
+    ranks = launch("task_steps", world, {**cfg, "local_every": every}, 900)
+    steps: dict[str, Any] = {"iters": ranks[0]["iters"], "local_every": every}
+    for mode in ("none", "local_every_step", "persistent_every_step", "local_every_n"):
         # per step, the slowest rank's time (the ranks step together through the all-reduce)
         per_step = [max(v) for v in zip(*(r[mode]["steps"] for r in ranks))]
         blocked = [max(v) for v in zip(*(r[mode]["blocked"] for r in ranks))]
@@ -619,11 +653,6 @@ def run_world(world: int, cfg: dict[str, Any], log: Callable[[str], None]) -> di
         }
     run["steps"] = steps
     log(f"world {world}: training-loop modes done")
-    ranks = launch("task_saves", world, cfg, 900)
-    run["saves"] = {
-        key: {m: [max(v) for v in zip(*(r[key][m] for r in ranks))] for m in ("total", "blocked")}
-        for key in ("local_verify0", "local_verify1", "persistent")
-    }
     run["load_average"]["end"] = load_average()
     shutil.rmtree(base, ignore_errors=True)
     shutil.rmtree(local, ignore_errors=True)
@@ -724,6 +753,7 @@ def report(results: dict[str, Any]) -> str:
             ("none", "none"),
             ("local_every_step", "local every step (async)"),
             ("persistent_every_step", "persistent every step (async)"),
+            ("local_every_n", f"local every {st['local_every']} (alone)"),
         ):
             m = st[mode]
             step = med(m["step_times"])
@@ -745,8 +775,9 @@ def report(results: dict[str, Any]) -> str:
             f"{off / base:.1f} steps of this loop, persistent {pers:.3f} s = {pers / base:.1f} steps"
         )
         p(
-            f"   -> with local_every >= {math.ceil(off / base)} a local save no longer waits for "
-            "the previous one, and blocks about its staging only"
+            f"   -> from about local_every >= {math.ceil(off / base)} a local save no longer waits "
+            f"for the previous one (the last row: local_every = {st['local_every']}, from the "
+            f"--step-ms target, run after the others, {len(st['local_every_n']['step_times'])} steps)"
         )
         p(
             f"3. verify_after_write, one local save, call to committed on every host: {off:.3f} s "
