@@ -18,10 +18,10 @@ shardsafe already imported, as in a restarted job after its imports), and is the
    which file systems they are on), and as a peer reference PyTorch DCP's ``dcp.load`` of the
    same state (``dcp.save`` once). Each restore is repeated once in the same processes
    (``again``), which shows what a fresh process adds. Before every restore the checkpoint
-   files are evicted from the page cache, so every source is read from the device (the
-   limits include a page-cache read for a local root on a RAM disk). The machine limits on the same
-   per-rank bytes, all ranks at once, in the same run: memcpy, a read from the page cache,
-   an ``O_DIRECT`` read (the device), a write + fsync, and a gloo send host a -> host b.
+   files are evicted from the page cache, so every source is read from the device. The
+   machine limits on the same per-rank bytes, all ranks at once, in the same run: memcpy, a
+   read from the page cache (what a local root on a RAM disk could do), an ``O_DIRECT`` read
+   (the device), a write + fsync, and a gloo send host a -> host b.
 2. Training-step overhead: ``--steps`` steps of a fixed CPU matmul loop (``--step-ms`` alone)
    plus a small all-reduce, with no saves, a local save every step (async; the persistent tier
    never), and an async persistent save every step, the three taking turns in blocks of a few
