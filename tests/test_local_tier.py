@@ -287,3 +287,55 @@ def test_drain_copies_local_steps_to_the_persistent_tier(tmp_path: Path) -> None
     loaded = load(state_of(0, 1, w, m, 0), persistent / "step_000000004")
     assert loaded["step"] == 4
     check_exact([{"step": 4, "w": w, "m": m}], 4)
+
+
+def _exchange(rank: int, world: int, tmp: str) -> Any:
+    import torch.distributed as dist
+
+    from shardsafe.storage.local import LocalStorage
+    from shardsafe.transfer import exchange_files
+
+    storage = LocalStorage(f"{tmp}/r{rank}")
+    for name, n in SIZES.items():  # each rank's files carry its rank in their names
+        storage.write_bytes(f"src/r{rank}-{name}", _content(rank, n))
+    # a ring plus a second stream into rank 0: ranks 0 and 1 send to and receive from each
+    # other; several files per stream, one empty, streams of different lengths
+    copies = [
+        Copy(f"r{src}-{name}", n, src, dst)
+        for src, dst in ((0, 1), (1, 2), (2, 0), (1, 0))
+        for name, n in SIZES.items()
+        if not (src == 1 and dst == 0 and name == "a.bin")
+    ]
+    errors = exchange_files(
+        dist.group.WORLD,
+        rank,
+        lambda r: r,
+        copies,
+        storage,
+        lambda n: f"src/{n}",
+        storage,
+        lambda n: f"got/{n}",
+        chunk_bytes=100,
+    )
+    got = {c.name: storage.read_bytes(f"got/{c.name}") for c in copies if c.dst == rank}
+    return errors, got
+
+
+SIZES = {"a.bin": 1000, "b.bin": 0, "c.bin": 333, "d.bin": 77}
+
+
+def _content(rank: int, n: int) -> bytes:
+    return bytes((rank * 31 + i) % 251 for i in range(n))
+
+
+def test_files_move_between_ranks_in_bounded_chunks(tmp_path: Path) -> None:
+    results = run_ranks(_exchange, 3, str(tmp_path), timeout=120)
+    for rank, (errors, got) in enumerate(results):
+        assert errors == []
+        for key, data in got.items():
+            src, name = key.split("-", 1)
+            assert data == _content(int(src[1:]), SIZES[name]), (rank, key)
+    assert sorted(results[0][1]) == [
+        "r1-b.bin", "r1-c.bin", "r1-d.bin", "r2-a.bin", "r2-b.bin", "r2-c.bin", "r2-d.bin",
+    ]  # fmt: skip
+    assert sorted(results[2][1]) == ["r1-a.bin", "r1-b.bin", "r1-c.bin", "r1-d.bin"]

@@ -3,9 +3,9 @@
 Every pair (sender, receiver) has one byte stream: its files back to back, in the order of
 the copy list, which both ends know (names and sizes) before anything moves. Streams advance
 in rounds: in round j every rank posts the j-th chunk of each stream it sends and receives,
-non-blocking, then waits for all of them. No rank waits for a message that its peer posts
-only after a wait of its own, so there is no deadlock, and the memory in flight is one chunk
-per stream. A rank that cannot read or write keeps taking part in every round (sending
+non-blocking, then waits for all of them, posts round j+1 and writes round j's chunks to disk
+while round j+1 moves. No rank waits for a message that its peer posts only after a wait of
+its own, so there is no deadlock, and the memory in flight is two chunks per stream. A rank that cannot read or write keeps taking part in every round (sending
 zeros, dropping what it receives) and reports its error afterwards, so a local failure
 never leaves a peer blocked.
 """
@@ -76,10 +76,10 @@ def exchange_files(
     """
     outgoing, incoming = _streams(copies, rank)
     errors: list[str] = []
-    lengths = {
-        peer: sum(c.nbytes for c in fs) for peer, fs in (*outgoing.items(), *incoming.items())
-    }
-    rounds = max((-(-n // chunk_bytes) for n in lengths.values()), default=0)
+    # a peer may be both a destination and a source: each of its two streams has its own length
+    out_len = {peer: sum(c.nbytes for c in fs) for peer, fs in outgoing.items()}
+    in_len = {peer: sum(c.nbytes for c in fs) for peer, fs in incoming.items()}
+    rounds = max((-(-n // chunk_bytes) for n in (*out_len.values(), *in_len.values())), default=0)
     readers: dict[tuple[int, int], Any] = {}
     with contextlib.ExitStack() as stack:
         writers: dict[tuple[int, int], BinaryIO | None] = {}
@@ -102,48 +102,64 @@ def exchange_files(
                 readers[key] = source.open_read(source_rel(c.name))
             return readers[key]
 
+        Posted = tuple[list[Any], list[tuple[int, torch.Tensor, int]]]
+
+        def post(j: int) -> Posted:
+            """Read and send round ``j``'s chunks, and post its receives (tagged by round parity:
+            at most two rounds of a pair are in flight)."""
+            start = j * chunk_bytes
+            ops = []
+            received: list[tuple[int, torch.Tensor, int]] = []
+            for dst, files in sorted(outgoing.items()):
+                stop = min(start + chunk_bytes, out_len[dst])
+                if stop <= start:
+                    continue
+                buf = torch.zeros(stop - start, dtype=torch.uint8)
+                view = array_view(buf.numpy())
+                for i, off, at, n in _segments(files, start, stop):
+                    try:
+                        reader(dst, i).read_into(off, view[at : at + n])
+                    except Exception as e:
+                        name = files[i].name
+                        msg = f"cannot read {source.describe(source_rel(name))}: {e}"
+                        if msg not in errors:
+                            errors.append(msg)
+                ops.append(tdist.isend(buf, dst=global_rank(dst), group=group, tag=j % 2))
+            for src in sorted(incoming):
+                stop = min(start + chunk_bytes, in_len[src])
+                if stop <= start:
+                    continue
+                buf = torch.empty(stop - start, dtype=torch.uint8)
+                ops.append(tdist.irecv(buf, src=global_rank(src), group=group, tag=j % 2))
+                received.append((src, buf, stop))
+            return ops, received
+
+        def store(j: int, received: list[tuple[int, torch.Tensor, int]]) -> None:
+            start = j * chunk_bytes
+            for src, buf, stop in received:
+                view = array_view(buf.numpy())
+                for i, _off, at, n in _segments(incoming[src], start, stop):
+                    f = writer(src, i)
+                    if f is None:
+                        continue
+                    try:
+                        f.write(view[at : at + n])
+                    except Exception as e:
+                        errors.append(f"cannot write {target_rel(incoming[src][i].name)}: {e}")
+                        writers[(src, i)] = None
+                if on_bytes is not None:
+                    on_bytes(stop - start)
+
         try:
+            # round j+1 moves over the network while round j is written to disk
+            pending = post(0) if rounds else None
             for j in range(rounds):
-                start = j * chunk_bytes
-                ops = []
-                received: list[tuple[int, torch.Tensor, int]] = []
-                for dst, files in sorted(outgoing.items()):
-                    stop = min(start + chunk_bytes, lengths[dst])
-                    if stop <= start:
-                        continue
-                    buf = torch.zeros(stop - start, dtype=torch.uint8)
-                    view = array_view(buf.numpy())
-                    for i, off, at, n in _segments(files, start, stop):
-                        try:
-                            reader(dst, i).read_into(off, view[at : at + n])
-                        except Exception as e:
-                            name = files[i].name
-                            msg = f"cannot read {source.describe(source_rel(name))}: {e}"
-                            if msg not in errors:
-                                errors.append(msg)
-                    ops.append(tdist.isend(buf, dst=global_rank(dst), group=group))
-                for src in sorted(incoming):
-                    stop = min(start + chunk_bytes, lengths[src])
-                    if stop <= start:
-                        continue
-                    buf = torch.empty(stop - start, dtype=torch.uint8)
-                    ops.append(tdist.irecv(buf, src=global_rank(src), group=group))
-                    received.append((src, buf, stop))
+                assert pending is not None
+                ops, received = pending
                 for op in ops:
                     cast(Any, op).wait()
-                for src, buf, stop in received:
-                    view = array_view(buf.numpy())
-                    for i, _off, at, n in _segments(incoming[src], start, stop):
-                        f = writer(src, i)
-                        if f is None:
-                            continue
-                        try:
-                            f.write(view[at : at + n])
-                        except Exception as e:
-                            errors.append(f"cannot write {target_rel(incoming[src][i].name)}: {e}")
-                            writers[(src, i)] = None
-                    if on_bytes is not None:
-                        on_bytes(stop - start)
+                pending = post(j + 1) if j + 1 < rounds else None
+                store(j, received)
             # files of length 0 get no round: create them too
             for src, files in incoming.items():
                 for i, c in enumerate(files):
