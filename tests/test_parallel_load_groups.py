@@ -258,3 +258,12 @@ def test_a_failure_inside_the_exchange_raises_on_every_rank(pool, tmp_path, wher
         assert message is not None and f"rank {rank}" in message and "injected" in message
         assert seconds < 30, seconds  # agreed on, not a peer left waiting for a send
     assert len({m for m, _ in results}) == 1  # the same error on every rank
+
+
+def test_an_unknown_fully_parallel_value_raises_instead_of_being_ignored(tmp_path):
+    path = tmp_path / "c"
+    shardsafe.save({"b": ST.from_rank_offsets("b", B.clone())}, path)
+    template = {"b": ST.from_rank_offsets("b", torch.zeros(48))}
+    with pytest.raises(ValueError, match="fully_parallel must be True, False or 'auto'"):
+        shardsafe.load(template, path, fully_parallel="yes")
+    assert torch.equal(shardsafe.load(template, path, fully_parallel=True)["b"], B)
