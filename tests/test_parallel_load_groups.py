@@ -188,7 +188,7 @@ def _load_2_to_3(rank, world, path):
     w = torch.zeros(33, 48)
     flat = torch.zeros(100)  # ranks 1 and 2 ask for the same flat range of u's first half
     start = 40 if g < 2 else 150
-    b = _strided(48)
+    b, b_again = _strided(48), torch.zeros(48)
     template = {
         "u": ST.from_rank_offsets("u", u3, (0, g, 3)),
         "w": ST.from_rank_offsets("w", w, (0, half, 2), replica_id=g if g < 2 else 0),
@@ -196,13 +196,14 @@ def _load_2_to_3(rank, world, path):
             "u", flat, (33, 10), (0, 0, 2), flattened_range=slice(start, start + 100)
         ),
         "b": ST.from_rank_offsets("b", b, replica_id=g),
+        "b_again": ST.from_rank_offsets("b", b_again, replica_id=g),  # the same piece twice
     }
     with _Recorder() as rec:
         shardsafe.load(template, path, process_group=group, fully_parallel=True)
     assert torch.equal(u3, U[g * 22 : (g + 1) * 22])
     assert torch.equal(w, W[half * 33 : (half + 1) * 33])
     assert torch.equal(flat, U[:33].reshape(-1)[start : start + 100])
-    assert torch.equal(b, B)
+    assert torch.equal(b, B) and torch.equal(b_again, B)
     return rec.reads
 
 
