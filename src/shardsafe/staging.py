@@ -71,9 +71,11 @@ class StagingPool:
     def _arena(self, pinned: bool, nbytes: int) -> torch.Tensor:
         arena = self._arenas.get(pinned)
         if arena is None or arena.numel() < nbytes:
-            if arena is not None:  # freed before the bigger one is allocated: no peak of both
+            if arena is not None:  # dropped before the bigger one is allocated: no peak of both
                 self.allocated_bytes -= arena.numel()
                 del self._arenas[pinned], arena
+                if pinned:
+                    _empty_host_cache()
             raw = torch.empty(max(nbytes, 1) + _PAGE, dtype=torch.uint8, pin_memory=pinned)
             start = -raw.data_ptr() % _PAGE  # page-aligned start (see _aligned)
             arena = raw[start : start + max(nbytes, 1)]
@@ -134,9 +136,16 @@ class StagingPool:
             pinned = True in self._arenas
             self._arenas.clear()
             self.allocated_bytes = 0
-            empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
-            if pinned and callable(empty_host_cache):
-                empty_host_cache()
+            if pinned:
+                _empty_host_cache()
+
+
+def _empty_host_cache() -> None:
+    """Give the pinned blocks torch's caching host allocator keeps (ours, now unreferenced)
+    back to the system."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if callable(empty) and torch.cuda.is_initialized():
+        empty()
 
 
 def slabs(
