@@ -176,6 +176,36 @@ def test_dp_replicas_in_two_groups_load_exactly_reading_each_piece_once(pool, tm
     assert sum(len(ops) for _, ops in results) == 2 * (2 + 2 + 3)  # each send has one receive
 
 
+def _model_state(rank, world, path, seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    if seed == 0:  # a fresh model: loads what seed 1 saved
+        for p in model.parameters():
+            torch.nn.init.zeros_(p)
+        with _Recorder() as rec:
+            shardsafe.load(model.state_dict(), path, fully_parallel=True)
+        torch.manual_seed(1)
+        want = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)
+        ).state_dict()
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, want[key]), key
+        assert all(p.requires_grad for p in model.parameters())
+        return rec.reads
+    shardsafe.save(model.state_dict(), path)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_a_replicated_model_state_dict_is_read_once_and_sent(pool, tmp_path):
+    path = str(tmp_path / "c")
+    pool.run(_model_state, path, 1)
+    reads = pool.run(_model_state, path, 0)
+    sizes = {"0.weight": 16 * 32, "0.bias": 32, "2.weight": 32 * 8, "2.bias": 8}
+    for key, numel in sizes.items():
+        assert sum(r.get(key, 0) for r in reads) == numel, key  # one rank read it
+
+
 def _load_2_to_3(rank, world, path):
     import torch.distributed as tdist
 
