@@ -17,7 +17,7 @@ def _views() -> dict[str, torch.Tensor]:
         "permuted": base.permute(1, 2, 0),
         "sliced": base[1:5, ::3, 2:],
         "column": base[:, :, 3],
-        "negative_free_step": base.flip(0)[::2],  # flip copies; a stepped slice of it
+        "stepped": base.flip(0)[::2],
         "zero_d": base[2, 3, 4],
         "empty": base[:, 4:4],
         "size_one_dims": base[2:3, :, 1:2].transpose(0, 1),

@@ -127,6 +127,7 @@ class StagingPool:
             event = torch.cuda.Event()
             event.record(stream)
         main.wait_stream(stream)  # later training kernels cannot overwrite before the copy is done
+        t.record_stream(stream)  # nor can its memory be reused from another stream before then
         return StagedItem(array_view(dst.numpy()), event)
 
     def release(self) -> None:
