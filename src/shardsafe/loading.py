@@ -35,12 +35,15 @@ from .geometry import Box, intersect
 from .location import TMP_MARK, Location, locate
 from .parallel_load import (
     MIN_SHARED_BYTES,
-    Request,
+    PreparedExchange,
     SharedPiece,
     assign_readers,
-    check_devices,
-    exchange,
+    check_option,
+    prepare_exchange,
+    received,
+    request_digest,
     should_share,
+    transfer,
 )
 from .sharding import (
     CoordinatorObject,
@@ -260,39 +263,38 @@ def load(
             direct_io,
         )
     )
+    check_option(fully_parallel)
     shared: list[SharedPiece] = []
     if comm.distributed and (
         fully_parallel is True
         or (fully_parallel == "auto" and should_share(comm, MIN_SHARED_BYTES, "auto"))
     ):
+        # digests, not requests: finding who holds the same piece needs every rank's list
         comm.arrive("load planning", timeout)
-        records = comm.all_gather({"error": err, "requests": job.requests() if job else []})
+        records = comm.all_gather({"error": err, "requests": job.request_digests() if job else []})
         raise_for([r["error"] for r in records], "load planning")
-        candidates = assign_readers(
-            [[(_request_from_json(q), n) for q, n in r["requests"]] for r in records]
-        )
+        candidates = assign_readers([[(d, n) for d, n in r["requests"]] for r in records])
         volume = sum(p.nbytes * (len({r for r, _ in p.holders}) - 1) for p in candidates)
         if should_share(comm, volume, fully_parallel):
             shared = candidates
     assert job is not None or err is not None
+    prepared: PreparedExchange | None = None
     if job is not None:
-        receive = {
-            i for p in shared if p.reader != comm.rank for r, i in p.holders if r == comm.rank
-        }
 
-        def read() -> None:
+        def read() -> PreparedExchange | None:
             assert job is not None
-            job.read(receive)
-            check_devices(comm, shared, job.request_tensors)  # before any byte is sent
+            job.read(received(comm.rank, shared))
+            # devices checked and buffers made before any byte is sent
+            return prepare_exchange(comm, shared, job.request_tensors) if shared else None
 
-        _, err = outcome(read)
+        prepared, err = outcome(read)
     if shared:
         comm.arrive("load exchange", timeout)
         records = comm.all_gather({"error": err})
         raise_for([r["error"] for r in records], "load")
-        assert job is not None
+        assert prepared is not None
         # a failure here is agreed on with the others below, not raised on this rank alone
-        _, err = outcome(lambda: exchange(comm, shared, job.request_tensors))
+        _, err = outcome(lambda: transfer(comm, prepared))
     result = None
     if job is not None and err is None:
         result, err = outcome(job.finish)
@@ -374,10 +376,6 @@ def register_foreign_loader(detect: Callable[[Any], bool], loader: ForeignLoader
     FOREIGN_LOADERS.register(detect, loader)
 
 
-def _request_from_json(q: list[Any]) -> Request:
-    return (q[0], q[1], tuple(q[2]), tuple(q[3]), tuple(q[4]) if q[4] else None)
-
-
 class _LoadJob:
     """One rank's load: what it asks for, reading it, and assembling the result."""
 
@@ -439,18 +437,13 @@ class _LoadJob:
         self.request_tensors: list[torch.Tensor] = []
         self.stored_keys = set(manifest.tensors) | set(manifest.objects)
 
-    def requests(self) -> list[list[Any]]:
-        """``[request, nbytes]`` per wanted tensor, JSON-able, in order."""
+    def request_digests(self) -> list[tuple[str, int]]:
+        """``(digest of the request, nbytes)`` per wanted tensor, in order."""
         out = []
         for st in self.wanted:
             box = st.chunk_box
-            flat = list(st.flat_bounds) if st.flat_bounds else None
-            out.append(
-                [
-                    [st.key, str(st.dtype), list(box.offset), list(box.shape), flat],
-                    st.numel * st.dtype.itemsize,
-                ]
-            )
+            request = (st.key, str(st.dtype), box.offset, box.shape, st.flat_bounds)
+            out.append((request_digest(request), st.numel * st.dtype.itemsize))
         return out
 
     def read(self, receive: set[int]) -> None:

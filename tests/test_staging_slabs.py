@@ -1,0 +1,112 @@
+"""Staging a non-contiguous view in slabs: bounded temporaries, exact bytes, every shape."""
+
+import pytest
+import torch
+
+from shardsafe.staging import StagingPool, _copy_bytes, _copy_device_slab, copy_in_slabs, slabs
+
+
+def _c_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _views() -> dict[str, torch.Tensor]:
+    base = torch.arange(6 * 10 * 7, dtype=torch.float32).reshape(6, 10, 7)
+    return {
+        "transposed": base.transpose(0, 2),
+        "permuted": base.permute(1, 2, 0),
+        "sliced": base[1:5, ::3, 2:],
+        "column": base[:, :, 3],
+        "stepped": base.flip(0)[::2],
+        "zero_d": base[2, 3, 4],
+        "empty": base[:, 4:4],
+        "size_one_dims": base[2:3, :, 1:2].transpose(0, 1),
+        "expanded": torch.arange(5.0).reshape(5, 1).expand(5, 9),
+        "int64": torch.arange(60, dtype=torch.int64).reshape(6, 10).t(),
+        "bfloat16": torch.arange(60, dtype=torch.bfloat16).reshape(6, 10)[:, ::2],
+        "bool": (torch.arange(60).reshape(6, 10) % 3 == 0).t(),
+        "complex": torch.complex(torch.arange(40.0), -torch.arange(40.0)).reshape(8, 5).t(),
+    }
+
+
+@pytest.mark.parametrize("bound", [1, 3, 28, 100, 280, 1 << 20])
+@pytest.mark.parametrize("name", sorted(_views()))
+def test_slabs_cover_every_byte_once_within_the_bound(name, bound):
+    t = _views()[name]
+    itemsize = t.element_size()
+    pieces = slabs(t.shape, itemsize, bound)
+    position = 0
+    for index, offset, length in pieces:
+        assert offset == position  # in C order, without gaps or overlaps
+        assert length == t[index].numel() * itemsize
+        assert length <= max(bound, itemsize)
+        position += length
+    assert position == t.numel() * itemsize
+
+
+@pytest.mark.parametrize("bound", [1, 3, 28, 100, 280, 1 << 20])
+@pytest.mark.parametrize("name", sorted(_views()))
+def test_device_slab_copy_on_cpu_is_exact_and_bounded(name, bound):
+    """The function the CUDA path runs, on CPU: each slab made contiguous, then copied."""
+    t = _views()[name]
+    temporaries = []
+
+    def device_style(dst, src):
+        temporaries.append(src.numel() * src.element_size() if not src.is_contiguous() else 0)
+        _copy_device_slab(dst, src)
+
+    dst = torch.full((t.numel() * t.element_size(),), 0xAB, dtype=torch.uint8)
+    copy_in_slabs(t, dst, bound, device_style)
+    assert dst.numpy().tobytes() == _c_bytes(t)
+    assert max(temporaries, default=0) <= max(bound, t.element_size())
+
+
+def test_contiguous_sources_go_in_one_copy_without_temporaries():
+    t = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
+    calls = []
+    dst = torch.empty(4000, dtype=torch.uint8)
+    copy_in_slabs(t, dst, 16, lambda d, s: calls.append(s.is_contiguous()) or _copy_bytes(d, s))
+    assert calls == [True] and dst.numpy().tobytes() == _c_bytes(t)
+
+
+def test_big_transposed_tensor_is_cut_into_slabs_of_the_bound():
+    t = torch.randn(512, 384).t()  # 768 KiB, non-contiguous
+    sizes = []
+
+    def record(dst, src):
+        sizes.append(src.numel() * 4)
+        _copy_device_slab(dst, src)
+
+    dst = torch.empty(t.numel() * 4, dtype=torch.uint8)
+    copy_in_slabs(t, dst, 64 << 10, record)
+    assert dst.numpy().tobytes() == _c_bytes(t)
+    assert sizes == [64 << 10] * 12  # 32 rows of 2 KiB per slab
+
+
+@pytest.mark.parametrize("slab_bytes", [8, 1 << 20])
+def test_pool_stages_cpu_views_through_the_slab_code(slab_bytes):
+    pool = StagingPool(slab_bytes=slab_bytes)
+    views = list(_views().values())
+    staged = pool.stage(views)
+    for t, item in zip(views, staged, strict=True):
+        assert bytes(item.ready()) == _c_bytes(t)
+    again = pool.stage(views)  # reused arena, same bytes
+    assert pool.allocations == 1
+    assert [bytes(i.ready()) for i in again] == [_c_bytes(t) for t in views]
+    pool.release()
+    assert pool.allocated_bytes == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_views_are_staged_exactly_with_one_slab_of_device_memory():
+    base = torch.randn(64, 1024, 257, device="cuda")  # 64 MiB
+    views = [base.transpose(0, 2), base[:, ::2], base[3], base[:, :, 5], base[:0]]
+    pool = StagingPool(slab_bytes=1 << 20)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    staged = pool.stage(views)
+    for t, item in zip(views, staged, strict=True):
+        assert bytes(item.ready()) == _c_bytes(t.cpu())
+    assert torch.cuda.max_memory_allocated() - before <= 2 << 20
+    pool.release()
