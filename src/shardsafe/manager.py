@@ -127,6 +127,7 @@ class CheckpointManager:
         self.persistent_every = persistent_every
         # a step due in both tiers is saved locally, then copied to root in the background
         self.drain = drain
+        self.direct_io = direct_io  # for saves (both tiers) and restores
         if get_comm(process_group).is_coordinator:
             self._dir.storage.make_dir("")
             self.cleanup()
@@ -382,6 +383,7 @@ class CheckpointManager:
                 process_group=self.process_group,
                 strict=strict,
                 timeout=self.timeout,
+                direct_io=self.direct_io,
             )
             if StrictHandling(strict).returns:
                 result, missing, unexpected = loaded
