@@ -22,9 +22,13 @@ import torch.multiprocessing as mp
 from distributed import RankFailure, free_port
 
 
-def _serve(rank: int, world: int, port: int, inbox: Any, out: Any, pg_timeout: float) -> None:
+def _serve(
+    rank: int, world: int, port: int, inbox: Any, out: Any, pg_timeout: float, env: dict[str, str]
+) -> None:
     import torch.distributed as dist
 
+    os.environ.clear()  # the caller's environment, not the forkserver's at its start
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(
         "gloo",
@@ -65,14 +69,15 @@ class RankPool:
         self.procs: list[Any] = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")  # ranks start without importing torch again
         self.out = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(self.world)]
         port = free_port()
+        env = dict(os.environ)
         self.procs = [
             ctx.Process(
                 target=_serve,
-                args=(r, self.world, port, self.inboxes[r], self.out, self.pg_timeout),
+                args=(r, self.world, port, self.inboxes[r], self.out, self.pg_timeout, env),
                 daemon=False,  # ranks may start helper processes (Megatron's save does)
             )
             for r in range(self.world)
