@@ -29,6 +29,7 @@ PRELOAD = (
     "torch.distributed.checkpoint.state_dict",
     "numpy",
     "shardsafe",
+    "shardsafe.convert",
 )
 """What the forkserver imports once for every rank it forks (the costly part of a start)."""
 
