@@ -8,7 +8,9 @@ Ranks are forked from a forkserver that imported torch once (:data:`PRELOAD`, se
 ``conftest.py``): a spawned rank spends seconds importing torch again, which on a two-core
 CI machine was most of the suite's time. Each child is still a fresh process (the server runs no threads and holds no
 test state); it gets the caller's current environment and working directory, as a spawned
-one would, so fixtures that export variables (the S3 server's endpoint) still reach it.
+one would, so fixtures that export variables (the S3 server's endpoint) still reach it. Only
+what a preloaded module reads at import time (``SHARDSAFE_DIRECT_IO``) is fixed when the server
+starts: a test that changes such a variable passes ``start_method="spawn"``.
 """
 
 from __future__ import annotations
