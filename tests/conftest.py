@@ -65,7 +65,7 @@ class _NothingSilent:
                     for path in sorted(root.rglob("*.py"))
                     if not path.name.startswith("test_") and _defines_tests(path)
                 ]
-        if not session.items:
+        if not session.items and not session.testsfailed:  # collection errors say more
             problems.append(f"no test selected from {' '.join(session.config.args)}")
         if problems:
             raise pytest.UsageError("\n".join(problems))
