@@ -1,7 +1,8 @@
 """A pool of gloo CPU rank processes reused by the tests of one module.
 
-Starting a rank costs seconds (spawn, ``import torch``, heavy framework imports, the process
-group), so a test module that runs several multi-process tests starts its ranks once and sends
+Starting a rank costs seconds even when forked from the server that preloaded torch (heavy
+framework imports such as Megatron-Core, the process group), so a test module that runs
+several multi-process tests starts its ranks once and sends
 each test a module-level function to run on every rank. Every call has a hard timeout; a pool
 whose call failed or timed out is killed, and the next call starts a fresh one, so one broken
 test cannot leave the next with half-initialised processes.
