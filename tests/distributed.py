@@ -2,7 +2,15 @@
 
 Each call picks its own free port; every child is killed if the body fails or hangs, so a
 broken test never leaves processes behind. ``fn`` must be a module-level function (it is
-pickled by reference for the spawned children); it receives ``(rank, world_size, *args)``.
+pickled by reference for the children); it receives ``(rank, world_size, *args)``.
+
+Ranks are forked from a forkserver that imported torch once (:data:`PRELOAD`, set up by
+``conftest.py``): a spawned rank spends seconds importing torch again, which on a two-core
+CI machine was most of the suite's time. Each child is still a fresh process (the server runs no threads and holds no
+test state); it gets the caller's current environment and working directory, as a spawned
+one would, so fixtures that export variables (the S3 server's endpoint) still reach it. Only
+what a preloaded module reads at import time (``SHARDSAFE_DIRECT_IO``) is fixed when the server
+starts: a test that changes such a variable passes ``start_method="spawn"``.
 """
 
 from __future__ import annotations
@@ -16,6 +24,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint.state_dict",
+    "numpy",
+    "shardsafe",
+    "shardsafe.convert",
+)
+"""What the forkserver imports once for every rank it forks (the costly part of a start)."""
 
 
 def free_port() -> int:
@@ -32,9 +50,13 @@ def _entry(
     args: tuple[Any, ...],
     out: Any,
     pg_timeout: float,
+    env: dict[str, str] | None = None,
 ) -> None:
     import torch.distributed as dist
 
+    if env is not None:  # the caller's environment now, not the forkserver's at its start
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group(
@@ -70,19 +92,23 @@ def run_ranks(
     *args: Any,
     timeout: float = 120.0,
     pg_timeout: float = 60.0,
-    start_method: str = "spawn",
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return results by rank.
 
     Raises :class:`RankFailure` if any rank raised, and ``TimeoutError`` (after killing every
-    child) if they do not all finish within ``timeout`` seconds. ``start_method="forkserver"``
-    (with :func:`preload_forkserver`) starts new processes without importing torch again.
+    child) if they do not all finish within ``timeout`` seconds. The default
+    ``start_method="forkserver"`` starts each rank without importing torch again;
+    ``"spawn"`` gives a child that imports everything itself.
     """
     ctx = mp.get_context(start_method)
     out = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn, args, out, pg_timeout), daemon=True)
+        ctx.Process(
+            target=_entry, args=(r, world, port, fn, args, out, pg_timeout, env), daemon=True
+        )
         for r in range(world)
     ]
     results: dict[int, Any] = {}
@@ -125,6 +151,7 @@ def run_ranks(
 
 
 def preload_forkserver(*modules: str) -> None:
-    """Have the forkserver import ``modules`` once, so each process forked from it starts
-    fresh but fast (the server runs no threads, unlike a process that has trained)."""
-    mp.get_context("forkserver").set_forkserver_preload(["torch", *modules])
+    """Have the forkserver import :data:`PRELOAD` and ``modules`` once, so each process forked
+    from it starts fresh but fast (the server runs no threads, unlike a process that has
+    trained). Takes effect only before the server's first start (one server per test run)."""
+    mp.get_context("forkserver").set_forkserver_preload([*PRELOAD, *modules])

@@ -1,7 +1,8 @@
 """A pool of gloo CPU rank processes reused by the tests of one module.
 
-Starting a rank costs seconds (spawn, ``import torch``, heavy framework imports, the process
-group), so a test module that runs several multi-process tests starts its ranks once and sends
+Starting a rank costs seconds even when forked from the server that preloaded torch (heavy
+framework imports such as Megatron-Core, the process group), so a test module that runs
+several multi-process tests starts its ranks once and sends
 each test a module-level function to run on every rank. Every call has a hard timeout; a pool
 whose call failed or timed out is killed, and the next call starts a fresh one, so one broken
 test cannot leave the next with half-initialised processes.
@@ -22,9 +23,13 @@ import torch.multiprocessing as mp
 from distributed import RankFailure, free_port
 
 
-def _serve(rank: int, world: int, port: int, inbox: Any, out: Any, pg_timeout: float) -> None:
+def _serve(
+    rank: int, world: int, port: int, inbox: Any, out: Any, pg_timeout: float, env: dict[str, str]
+) -> None:
     import torch.distributed as dist
 
+    os.environ.clear()  # the caller's environment, not the forkserver's at its start
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(
         "gloo",
@@ -65,14 +70,15 @@ class RankPool:
         self.procs: list[Any] = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")  # ranks start without importing torch again
         self.out = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(self.world)]
         port = free_port()
+        env = dict(os.environ)
         self.procs = [
             ctx.Process(
                 target=_serve,
-                args=(r, self.world, port, self.inboxes[r], self.out, self.pg_timeout),
+                args=(r, self.world, port, self.inboxes[r], self.out, self.pg_timeout, env),
                 daemon=False,  # ranks may start helper processes (Megatron's save does)
             )
             for r in range(self.world)

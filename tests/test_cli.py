@@ -158,17 +158,27 @@ def test_hf_weights_load_straight_into_a_tensor_parallel_layout(tmp_path):
 
 
 def test_console_script_help_and_usage_errors(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "shardsafe", "--help"], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0 and "examples:" in out.stdout and "convert" in out.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "shardsafe", "convert", "a", "b"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode == 2 and "--to" in bad.stderr
+    argvs = {"help": ["--help"], "bad": ["convert", "a", "b"]}
+    procs = {  # concurrently: each interpreter spends seconds importing torch
+        name: subprocess.Popen(
+            [sys.executable, "-m", "shardsafe", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, argv in argvs.items()
+    }
+    try:
+        done = {name: (*p.communicate(timeout=120), p.returncode) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    stdout, _, rc = done["help"]
+    assert rc == 0 and "examples:" in stdout and "convert" in stdout
+    _, stderr, rc = done["bad"]
+    assert rc == 2 and "--to" in stderr
 
 
 @pytest.mark.parametrize("cmd", ["inspect", "verify"])

@@ -1,8 +1,9 @@
 """The reference training program: layout-independent losses, ZeRO ranges, state-dict tiling, resume.
 
-Every multi-process run goes through ``gpt_parallel.launch``, which kills all ranks when one
-fails or the run passes its timeout. Runs are shared across tests through a module cache, so
-each layout starts its ranks once (process start-up, i.e. importing torch, dominates the cost).
+Every multi-process run calls ``gpt_parallel.train_worker`` on ranks forked from a server that
+imported torch once (``distributed.run_ranks``: hard timeout, every rank killed when one fails);
+``gpt_parallel.launch`` itself, which spawns fresh interpreters, is run by the failing-rank test.
+Runs are shared across tests through a module cache, so each layout starts its ranks once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from distributed import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -30,6 +32,16 @@ SAVE_AT = 3
 RTOL = 1e-5
 LAYOUTS = [(2, 1, 2), (1, 2, 2), (2, 2, 1)]
 RUN_TIMEOUT = 150.0
+
+
+def _train(rank: int, world: int, layout: Layout, cfg: gp.TrainConfig) -> dict[str, Any]:
+    """One rank of ``layout``, as ``gpt_parallel.launch`` runs it (one thread, same groups)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # as launch does: ranks share the cores; reductions stay deterministic
+    result = gp.train_worker(ParallelState.create(layout), cfg)
+    dist.barrier()
+    return result
 
 
 def _has_checkpoint_api() -> bool:
@@ -49,7 +61,8 @@ class Runs:
         key = (layout, tag, tuple(sorted(kw.items())))
         if key not in self._cache:
             cfg = gp.TrainConfig(steps=STEPS, collect_metadata=True, **kw)
-            self._cache[key] = gp.launch(gp.train_worker, Layout(*layout), cfg, timeout=RUN_TIMEOUT)
+            lay = Layout(*layout)
+            self._cache[key] = run_ranks(_train, lay.world, lay, cfg, timeout=RUN_TIMEOUT)
         return self._cache[key]
 
     def source(self) -> list[dict[str, Any]]:

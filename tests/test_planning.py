@@ -233,14 +233,28 @@ def test_plan_is_the_same_in_other_processes():
         "p = make_global_plan(_layout(4, 4)); "
         "print(json.dumps([sorted(p.tensors.items()), [a.to_json() for a in p.assignments]]))"
     )
-    outs = set()
-    for seed in ("1", "2", "3"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    procs = [  # concurrently: each interpreter spends seconds importing torch
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        outs.add(out.stdout)
-    assert len(outs) == 1
+        for seed in ("1", "2", "3")
+    ]
+    outs = set()
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+            outs.add(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert len(outs) == 1 and outs != {""}
 
 
 # --------------------------------------------------------------------------- the vectorised helper

@@ -1,6 +1,7 @@
 """Run readers on hostile inputs in a child process bounded in time and address space.
 
-Each attack test builds its inputs, then hands a few lines of Python to :func:`run_calls`.
+Each attack test builds its inputs, then hands a few lines of Python to :func:`run_calls`,
+which runs them in a new process forked from a server that imported torch and shardsafe once.
 Those lines call ``attempt(name, fn)`` once per hostile input, and ``cli(name, *argv)``
 to run the ``shardsafe`` command's ``main`` in the same bounded child (one test per class
 also runs the real ``python -m shardsafe`` in its own bounded process, :func:`run_cli`). The child caps its address
@@ -96,23 +97,55 @@ print("@@RESULT@@" + json.dumps({"results": results, "outside": opened_outside})
 '''
 
 
+def _child(code: str, outside: str, extra_as: int, conn: Any) -> None:
+    """The bounded child: :data:`_DRIVER` as ``python -c`` would run it, forked from a server
+    that imported torch and shardsafe once (a fresh interpreter spends seconds on that)."""
+    import contextlib
+    import io
+    import traceback
+    import warnings
+
+    warnings.simplefilter("ignore")
+    sys.argv = ["-c", outside, str(extra_as)]
+    sys.stdin = io.StringIO(textwrap.dedent(code))
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(_DRIVER, "<driver>", "exec"), {"__name__": "__main__"})
+        conn.send((0, out.getvalue()))
+    except BaseException:
+        conn.send((1, out.getvalue()[-3000:] + traceback.format_exc()[-3000:]))
+    finally:
+        conn.close()
+
+
 def run_calls(
     code: str, outside: Path, *, timeout: float = 110.0, extra_as: int = EXTRA_AS
 ) -> list[dict[str, Any]]:
     """Run ``code`` (which calls ``attempt``) in a bounded child; its per-call results."""
+    import multiprocessing
+
     outside.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        [sys.executable, "-c", _DRIVER, str(outside), str(extra_as)],
-        input=textwrap.dedent(code),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    marker = [line for line in proc.stdout.splitlines() if line.startswith("@@RESULT@@")]
-    assert proc.returncode == 0 and marker, (
-        f"the child failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
+    ctx = multiprocessing.get_context("forkserver")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(code, str(outside), extra_as, send), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        assert recv.poll(timeout), f"the child did not finish within {timeout} s"
+        try:
+            status, stdout = recv.recv()
+        except EOFError:
+            proc.join(5)
+            status, stdout = proc.exitcode, "(the child died without reporting)"
+        proc.join(10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        recv.close()
+    marker = [line for line in stdout.splitlines() if line.startswith("@@RESULT@@")]
+    assert status == 0 and marker, f"the child failed (status {status}):\n{stdout[-6000:]}"
     report = json.loads(marker[0][len("@@RESULT@@") :])
     assert report["outside"] == [], f"files outside the root were opened: {report['outside']}"
     return list(report["results"])
