@@ -50,7 +50,7 @@ from .peers import Copy, Place, complete_steps, place_ranks, plan_copies, replic
 from .save_plan import PlanCache, PlannedSave, plan_save
 from .save_target import abort, begin, work_dir
 from .save_write import ShareItems, encode_share, write_share
-from .saver import AsyncSaveHandle
+from .saver import AsyncSaveHandle, settle
 from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
 from .staging import StagingPool
 from .storage import is_url
@@ -580,11 +580,7 @@ class LocalTier:
         """Wait for the local save in flight; its failure stays on its handle (and in the log)."""
         with self._lock:
             handle, self._inflight = self._inflight, None
-        if handle is None:
-            return
-        exc = handle._future.exception()
-        if exc is not None and not handle.observed:
-            log.error("the local save into %s failed: %s", handle.path, exc)
+        settle(handle, "the local save")
 
     def wait(self) -> None:
         """Wait for the local save in flight; raise its error unless already seen."""

@@ -111,6 +111,15 @@ class AsyncSaveHandle:
         self._future.add_done_callback(call)
 
 
+def settle(handle: AsyncSaveHandle | None, what: str) -> None:
+    """Wait for ``handle``; a failure nobody has seen through it is logged, and stays on it."""
+    if handle is None:
+        return
+    exc = handle._future.exception()
+    if exc is not None and not handle.observed:
+        log.error("%s into %s failed: %s", what, handle.path, exc)
+
+
 class Saver:
     """Saves from one process group, reusing the plan, staging memory and writer thread."""
 
@@ -406,11 +415,7 @@ class Saver:
         """Wait for the save in flight; its failure stays on its handle (and in the log)."""
         with self._lock:
             handle, self._inflight = self._inflight, None
-        if handle is None:
-            return
-        exc = handle._future.exception()
-        if exc is not None and not handle.observed:
-            log.error("the previous async save into %s failed: %s", handle.path, exc)
+        settle(handle, "the previous async save")
 
     def wait(self, timeout: float | None = None) -> SaveStats | None:
         """Wait for the save in flight, if any; returns its stats, raising an error nobody has seen yet."""
