@@ -309,4 +309,19 @@ def test_command_line_takes_s3_paths(s3_bucket_url: str, tmp_path: Path, capsys:
     assert cli_main(["convert", str(local), f"{s3_bucket_url}/out/back", "--to", "shardsafe"]) == 0
     assert cli_main(["diff", one, f"{s3_bucket_url}/out/back"]) == 0
     assert cli_main(["convert", one, f"{s3_bucket_url}/out/hf", "--to", "hf"]) == 2  # exists
+    # --overwrite replaces an export of the same kind only, and keeps what is not its own
+    # (an HF export, like on a file system, adds its files beside others and replaces only its own)
+    storage.write_bytes("hf/config.json", b"{}")
+    storage.write_bytes("mine/notes.txt", b"keep me")
+    for fmt, dst in (("dcp", "hf"), ("torch", "mine"), ("dcp", "mine"), ("torch", "hf")):
+        args = ["convert", two, f"{s3_bucket_url}/out/{dst}", "--to", fmt, "--overwrite"]
+        assert cli_main(args) == 2, (fmt, dst)
+    assert storage.read_bytes("mine/notes.txt") == b"keep me"
+    assert sorted(storage.list_dir("hf")) == ["config.json", "model.safetensors"]
+    for fmt in ("hf", "dcp", "torch"):
+        args = ["convert", two, f"{s3_bucket_url}/out/{fmt}", "--to", fmt, "--overwrite"]
+        assert cli_main(args) == 0, fmt
+    assert sorted(storage.list_dir("hf")) == ["config.json", "model.safetensors"]
+    local.write_bytes(storage.read_bytes("torch"))
+    assert torch.equal(torch.load(local, weights_only=True)["w"], torch.arange(6.0) * 2)
     assert not list(Path(".").glob("s3:*"))  # nothing written to a local "s3:" directory

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli import plural, progress_bar
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointExistsError
 
 # --------------------------------------------------------------------------- diff
 
@@ -255,6 +255,34 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replaced_by_export(loc: Any, to: str) -> list[str]:
+    """What an ``--overwrite`` export to an object store may delete at ``loc``: an export of
+    the same kind only, as the file-system writers do; anything else is refused, not deleted."""
+    from .convert.dcp import MEGATRON_CONFIG_FILE
+    from .convert.hf import OWN_FILES
+
+    parent, name = loc.parent, loc.name
+    if not parent.is_dir(name):
+        if to == "torch":
+            return [name]
+        raise CheckpointExistsError(
+            f"{loc.url} is a file, not a {to} export; move or delete it yourself, or pick another path"
+        )
+    entries = parent.list_dir(name)
+    if to == "hf":  # its own files only; config, tokenizer and the rest stay
+        return [f"{name}/{e}" for e in entries if OWN_FILES.fullmatch(e)]
+    marker = {"dcp": ".metadata", "megatron": MEGATRON_CONFIG_FILE}.get(to)
+    if marker is not None and marker in entries:
+        return [name]
+    if not entries:
+        return [name]
+    what = f"a directory holding {', '.join(sorted(entries)[:5])}"
+    raise CheckpointExistsError(
+        f"{loc.url} is {what}, not a {to} export; --overwrite replaces an export of the same "
+        "kind only: move or delete it yourself, or pick another path"
+    )
+
+
 def _convert_via_local_copy(args: argparse.Namespace) -> int:
     """torch/hf/dcp writers need a file system: write into a temporary directory, then upload."""
     import tempfile
@@ -264,13 +292,14 @@ def _convert_via_local_copy(args: argparse.Namespace) -> int:
     loc = locate(args.dst)
     if loc.parent.exists(loc.name) and not args.overwrite:
         raise CheckpointError(f"{args.dst} already exists; pass --overwrite to replace it")
+    doomed = _replaced_by_export(loc, args.to) if loc.parent.exists(loc.name) else []
     with tempfile.TemporaryDirectory(prefix="shardsafe-convert-") as tmp:
         local = os.path.join(tmp, loc.name)
         rc = cmd_convert(argparse.Namespace(**{**vars(args), "dst": local}))
         if rc:
             return rc
-        if args.overwrite:
-            loc.parent.remove_tree(loc.name)
+        for rel in doomed:
+            loc.parent.remove_tree(rel)
         files = (
             [local]
             if os.path.isfile(local)

@@ -31,7 +31,8 @@ from .source import Progress, Shape, TensorSource, read_checked, tensor_nbytes
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_OWN_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+#: the files an export writes (and an overwrite replaces); others in the directory stay
+OWN_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
 _UNITS = {
     "": 1,
     "B": 1,
@@ -109,7 +110,7 @@ def export_hf(
 
     dst = Path(dst_dir)
     dst.mkdir(parents=True, exist_ok=True)
-    stale = sorted(p for p in dst.iterdir() if _OWN_FILES.fullmatch(p.name))
+    stale = sorted(p for p in dst.iterdir() if OWN_FILES.fullmatch(p.name))
     if stale and not overwrite:
         raise CheckpointExistsError(
             f"{dst} already holds {', '.join(p.name for p in stale)}; pass overwrite=True to replace them"
