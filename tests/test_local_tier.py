@@ -148,6 +148,16 @@ def test_persistent_and_local_steps_after_training(trained: Path) -> None:
     assert out.returncode == 0 and "model.w" in out.stdout, out.stdout + out.stderr
     out = subprocess.run([*cli, "verify", str(step)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+    exported = trained / "exported.pt"
+    out = subprocess.run(
+        [*cli, "convert", str(step), str(exported), "--to", "torch"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    w_ref, m_ref = reference(13)
+    plain = torch.load(exported, weights_only=True)
+    assert sorted(plain) == ["model.w", "optim.m", "step"], sorted(plain)
+    assert torch.equal(plain["model.w"], w_ref) and torch.equal(plain["optim.m"], m_ref)
+    exported.unlink()
 
 
 def test_lost_host_resumes_from_newest_local_step_in_new_layout(

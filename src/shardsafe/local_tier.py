@@ -8,12 +8,7 @@ place's leader (its lowest rank) publishes the step in its own directory: the sa
 everywhere, beside the data files that place holds. A local step directory is an ordinary
 shardsafe checkpoint that may lack the files held elsewhere.
 
-Restore takes an inventory of every place (an all-gather), picks the newest step whose files
-are all held somewhere, has each place fetch the files its ranks will read from whichever
-surviving rank holds them (point-to-point, :mod:`shardsafe.transfer`), verifying every copy
-it will read against the manifest's checksums first, and then loads as usual, into any
-layout. A copy found corrupt is replaced from another holder, or the step is marked damaged
-and the next one is tried.
+Restoring from it is :mod:`shardsafe.local_restore`.
 """
 
 from __future__ import annotations
@@ -35,18 +30,17 @@ from typing import Any, cast
 import torch
 import torch.distributed as tdist
 
-from .checksum import DEFAULT_BLOCK_BYTES, digest
+from .checksum import DEFAULT_BLOCK_BYTES
 from .commit import assemble, check_files, commit
 from .directio import DirectIO
 from .directory import StepDirectory
 from .dist import error_record, get_comm, outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
-from .errors import CheckpointError, CorruptCheckpointError, is_damaged_checkpoint
-from .format import MANIFEST_NAME, Extent, Manifest
+from .errors import CheckpointError
+from .format import Extent, Manifest
 from .lease import LEASE_SECONDS, Lease
-from .loading import files_to_read
 from .location import Location, locate
-from .peers import Copy, Place, complete_steps, place_ranks, plan_copies, replica_peers
+from .peers import Copy, Place, place_ranks, replica_peers
 from .save_plan import PlanCache, PlannedSave, plan_save
 from .save_target import abort, begin, work_dir
 from .save_write import ShareItems, encode_share, write_share
@@ -131,11 +125,11 @@ class LocalTier:
         self.replicas = replicas
         self.sources = [r for r in range(comm.world_size) if comm.rank in self.peers[r]]
         self.dir = StepDirectory(self.root)
-        self._group: Any = None
+        self.group: Any = None
         if comm.distributed and comm.world_size > 1:
             # its own gloo group: copies move from a background thread while the training loop
             # runs collectives on the main group
-            self._group = tdist.new_group(
+            self.group = tdist.new_group(
                 ranks=[comm.global_rank(r) for r in range(comm.world_size)],
                 backend="gloo",
                 timeout=timedelta(seconds=max(60.0, 6 * dead_after)),
@@ -382,7 +376,7 @@ class LocalTier:
         self, planned: PlannedSave, loc: Location, result: dict[str, Any] | None
     ) -> tuple[dict[str, int], dict[str, Any] | None]:
         """Send this rank's files to its peers and take its sources' files; verify each copy."""
-        if self._group is None or not self.replicas:
+        if self.group is None or not self.replicas:
             return {}, None
         comm = self.comm
         storage = loc.parent
@@ -393,17 +387,19 @@ class LocalTier:
                 "files": result["files"],
                 "extents": [*result["pieces"].values(), *result["blobs"].values()],
             }
-        headers = self._swap_headers(json.dumps(offer).encode())
+        offers = {
+            src: json.loads(raw)
+            for src, raw in self._swap_headers(json.dumps(offer).encode()).items()
+        }
         copies = [
             Copy(n, int(s), comm.rank, dst)
             for dst in self.peers[comm.rank]
             for n, s in sorted(offer["files"].items())
         ]
-        for src, raw in sorted(headers.items()):
-            theirs = json.loads(raw)
+        for src, theirs in sorted(offers.items()):
             copies += [Copy(n, int(s), src, comm.rank) for n, s in sorted(theirs["files"].items())]
         errors = exchange_files(
-            self._group,
+            self.group,
             comm.rank,
             comm.global_rank,
             copies,
@@ -413,8 +409,7 @@ class LocalTier:
             lambda n: f"{work}/{n}",
         )
         received: dict[str, int] = {}
-        for src, raw in sorted(headers.items()):
-            theirs = json.loads(raw)
+        for src, theirs in sorted(offers.items()):
             by_file: dict[str, list[Extent]] = {}
             for e in theirs["extents"]:
                 by_file.setdefault(e["file"], []).append(
@@ -450,7 +445,7 @@ class LocalTier:
 
     def _swap_headers(self, payload: bytes) -> dict[int, bytes]:
         """Send ``payload`` to this rank's peers; return what each of its sources sent."""
-        comm, group = self.comm, self._group
+        comm, group = self.comm, self.group
         lengths = {src: torch.zeros(1, dtype=torch.int64) for src in self.sources}
         mine = torch.tensor([len(payload)], dtype=torch.int64)
         ops = [
@@ -599,293 +594,6 @@ class LocalTier:
             self._clients = None
 
     # -- restoring --------------------------------------------------------------------------
-    def inventory(self) -> dict[str, Any]:
-        """Collective: which committed local steps each place holds, and which are complete.
-
-        Returns ``{"steps": [names, newest first, complete somewhere], "held": {place: {step:
-        {file: size}}}, "manifests": {step: {file: size}}, "digests": {step: digest}}``.
-        """
-        self.settle()
-        comm = self.comm
-        report: dict[str, Any] = {"place": list(self.place), "steps": {}}
-        if self.leader:
-            damaged = self.dir.damaged()
-            for name in self.dir.committed():
-                entry = _held(self.dir, name)
-                if entry is not None:
-                    entry["damaged"] = name in damaged
-                    report["steps"][name] = entry
-        reports = comm.all_gather(report) if comm.distributed else [report]
-        held: dict[Place, dict[str, dict[str, int]]] = {}
-        votes: dict[str, dict[str, tuple[int, dict[str, int]]]] = {}
-        damaged_anywhere: set[str] = set()
-        leaders = [
-            (self.places[r], rep)
-            for r, rep in enumerate(reports)
-            if self.ranks_of[self.places[r]][0] == r
-        ]
-        for place, rep in leaders:
-            for name, entry in rep["steps"].items():
-                if entry["damaged"]:
-                    damaged_anywhere.add(name)
-                held.setdefault(place, {})[name] = entry["held"]
-                count, files = votes.setdefault(name, {}).get(entry["digest"], (0, entry["files"]))
-                votes[name][entry["digest"]] = (count + 1, files)
-        manifests: dict[str, dict[str, int]] = {}
-        digests: dict[str, str] = {}
-        for name, by_digest in votes.items():
-            digest = max(sorted(by_digest), key=lambda d: by_digest[d][0])
-            digests[name] = digest
-            manifests[name] = by_digest[digest][1]
-        # a place whose manifest differs from the majority's holds none of that step's files
-        for place, rep in leaders:
-            for name, entry in rep["steps"].items():
-                if entry["digest"] != digests[name]:
-                    held.get(place, {}).pop(name, None)
-        complete = [n for n in complete_steps(held, manifests) if n not in damaged_anywhere]
-        return {
-            "steps": list(reversed(complete)),
-            "held": held,
-            "manifests": manifests,
-            "digests": digests,
-        }
-
-    def restore(
-        self,
-        name: str,
-        inv: Mapping[str, Any],
-        template: Any,
-        load_into: Callable[[str], Any],
-    ) -> Any:
-        """Collective: make every place hold the files of step ``name`` its ranks will read
-        (fetching verified copies from other places), then ``load_into(this place's path)``."""
-        comm = self.comm
-        token = os.urandom(8).hex()  # names this rank's partial files only
-        held: dict[Place, dict[str, int]] = {
-            p: dict(steps.get(name, {})) for p, steps in inv["held"].items()
-        }
-        for p in self.ranks_of:
-            held.setdefault(p, {})
-        has_step = {p for p, steps in inv["held"].items() if name in steps}
-        storage = self.dir.storage
-        here = self.place in has_step
-        fresh = locate(os.path.join(self.root, name)).tmp_name("restore")
-        base = name if here else fresh
-
-        def dir_of(place: Place) -> str:
-            return name if place in has_step else fresh
-
-        if not here and self.leader:
-            storage.remove_tree(fresh)  # what a crashed restore left
-        # 1. the manifest, where a place has no copy of the step
-        sizes = dict(inv["manifests"][name])
-        manifest_size = {
-            held_p.get(MANIFEST_NAME) for held_p in held.values() if MANIFEST_NAME in held_p
-        }
-        need_manifest = {p: {MANIFEST_NAME} for p in self.ranks_of if p not in has_step}
-        if need_manifest:
-            msize = max(s for s in manifest_size if s is not None)
-            self._fetch(
-                need_manifest,
-                {p: {MANIFEST_NAME: msize} for p in has_step},
-                {MANIFEST_NAME: msize},
-                dir_of,
-                token,
-                None,
-            )
-        manifest, err = outcome(lambda: _read_manifest(storage, base, inv["digests"][name]))
-        self._agree(err, f"restore of local step {name}")
-        assert manifest is not None
-        # 2. the files every rank will read
-        mine, err = outcome(lambda: sorted(files_to_read(template, manifest)))
-        needs = (
-            comm.all_gather({"error": err, "files": mine})
-            if comm.distributed
-            else [{"error": err, "files": mine}]
-        )
-        raise_for(
-            [cast(dict[str, Any], n)["error"] for n in needs], f"restore of local step {name}"
-        )
-        needed: dict[Place, set[str]] = {}
-        for rank, n in enumerate(needs):
-            needed.setdefault(self.places[rank], set()).update(n["files"])
-        extents = _extents_by_file(manifest)
-        # 3. fetch what each place lacks from places that hold it (each copy verified on arrival)
-        check = (extents, manifest.block_bytes)
-        self._fetch(needed, held, sizes, dir_of, token, check)
-        if not here and self.leader:
-            storage.rename(base, name)
-        if comm.distributed:
-            comm.all_gather(None)  # every place has published its directory
-        path = os.path.join(self.root, name)
-        try:
-            return load_into(path)  # verifies every block it reads
-        except CheckpointError as e:
-            if not is_damaged_checkpoint(e):
-                raise
-            failure = e
-        # 4. a local copy was damaged: find which (every place checks what its ranks read),
-        # replace them from places with an intact copy, and load again
-        now = {p: {**held.get(p, {}), **{n: sizes[n] for n in needed.get(p, ())}} for p in held}
-        refused = self._verify_held(needed, now, name, extents, manifest.block_bytes)
-        if not refused:
-            raise failure
-        self._fetch(needed, now, sizes, lambda p: name, token, check, refused)
-        if comm.distributed:
-            comm.all_gather(None)
-        log.warning(
-            "restore: local step %s: replaced %d damaged cop%s from other hosts; loading again",
-            name,
-            len(refused),
-            "y" if len(refused) == 1 else "ies",
-        )
-        return load_into(path)
-
-    def _verify_held(
-        self,
-        needed: Mapping[Place, set[str]],
-        held: Mapping[Place, Mapping[str, int]],
-        base: str,
-        extents: Mapping[str, list[Extent]],
-        block_bytes: int,
-    ) -> set[tuple[Place, str]]:
-        """Each place checks the copies it will read (spread over its ranks); returns the bad ones."""
-        comm = self.comm
-        ranks = self.ranks_of[self.place]
-        mine = sorted(n for n in needed.get(self.place, set()) if n in held.get(self.place, {}))
-        mine = [n for i, n in enumerate(mine) if ranks[i % len(ranks)] == comm.rank]
-        bad: list[str] = []
-        storage = self.dir.storage
-        for n in mine:
-            try:
-                diff = verify_written(
-                    storage,
-                    f"{base}/{n}",
-                    extents.get(n, []),
-                    block_bytes,
-                    DEFAULT_MAX_BUFFER,
-                    evict=False,
-                )
-            except Exception as e:
-                diff = [str(e)]
-            if diff:
-                log.warning(
-                    "restore: the local copy of %s on %s is damaged (%s); fetching another",
-                    storage.describe(f"{base}/{n}"),
-                    self.host,
-                    diff[0],
-                )
-                bad.append(n)
-        every = comm.all_gather(bad) if comm.distributed else [bad]
-        return {(self.places[r], n) for r, names in enumerate(every) for n in names}
-
-    def _fetch(
-        self,
-        needed: Mapping[Place, set[str]],
-        held: Mapping[Place, Mapping[str, int]],
-        sizes: Mapping[str, int],
-        dir_of: Callable[[Place], str],
-        token: str,
-        check: tuple[Mapping[str, list[Extent]], int] | None,
-        refused: set[tuple[Place, str]] | None = None,
-    ) -> None:
-        """Copy files to the places that need them; a copy that arrives damaged is refused
-        and fetched again from another holder. Raises the same error on every rank when a
-        file has no intact copy left."""
-        comm = self.comm
-        refused = set(refused or ())
-        storage = self.dir.storage
-        base = dir_of(self.place)
-        for _attempt in range(len(self.ranks_of) + 1):
-            copies, unavailable = plan_copies(needed, held, sizes, self.ranks_of, refused)
-            if unavailable:
-                lost = sorted({n for names in unavailable.values() for n in names})
-                raise CorruptCheckpointError(
-                    f"no intact copy of {', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''} "
-                    f"is left on any host ({len(lost)} files)"
-                )
-            if not copies:
-                return
-            if self.leader:
-                storage.make_dir(f"{base}/data")
-            if comm.distributed:
-                comm.all_gather(None)  # the directories exist before anyone writes into them
-            errors = exchange_files(
-                self._group,
-                comm.rank,
-                comm.global_rank,
-                copies,
-                storage,
-                lambda n: f"{base}/{n}",
-                storage,
-                lambda n: _part(base, n, token),
-            )
-            failed: list[str] = []
-            for c in copies:
-                if c.dst != comm.rank:
-                    continue
-                part = _part(base, c.name, token)
-                ok = not errors
-                if ok and check is not None:
-                    extents, block_bytes = check
-                    try:
-                        diff = verify_written(
-                            storage,
-                            part,
-                            extents.get(c.name, []),
-                            block_bytes,
-                            DEFAULT_MAX_BUFFER,
-                            evict=False,
-                        )
-                        ok = not diff and storage.size(part) == c.nbytes
-                    except Exception:
-                        ok = False
-                if ok:
-                    storage.rename(part, f"{base}/{c.name}")
-                else:
-                    storage.remove_tree(part)
-                    failed.append(c.name)
-                    log.warning(
-                        "restore: the copy of %s from rank %d (%s) is damaged; trying another holder",
-                        c.name,
-                        c.src,
-                        self.places[c.src][0],
-                    )
-            if comm.distributed:
-                reports = comm.all_gather({"failed": failed, "errors": errors})
-            else:
-                reports = [{"failed": failed, "errors": errors}]
-            if any(r["errors"] for r in reports):
-                raise CheckpointError(
-                    "copying checkpoint files between hosts failed: "
-                    + "; ".join(
-                        f"rank {i}: {r['errors'][0]}" for i, r in enumerate(reports) if r["errors"]
-                    )
-                )
-            bad = {
-                (self.places[c.src], c.name)
-                for c in copies
-                for n in reports[c.dst]["failed"]
-                if n == c.name
-            }
-            if not bad:
-                return
-            refused |= bad
-            # what arrived intact is held now
-            now = {p: dict(h) for p, h in held.items()}
-            for c in copies:
-                if c.name not in reports[c.dst]["failed"]:
-                    now[self.places[c.dst]][c.name] = c.nbytes
-            held = now
-        raise CorruptCheckpointError("copies kept arriving damaged; giving up on this step")
-
-    def _agree(self, err: dict[str, Any] | None, stage: str) -> None:
-        comm = self.comm
-        if comm.distributed:
-            raise_for([r["error"] for r in comm.all_gather({"error": err})], stage)
-        elif err is not None:
-            raise_for([err], stage)
-
     def mark_damaged(self, name: str, reason: str) -> None:
         if self.leader and self.dir.is_committed(name):
             try:
@@ -926,52 +634,3 @@ def _renamed(manifest: Manifest, rename: Callable[[str], str]) -> Manifest:
         },
         blobs={k: ext(e) for k, e in manifest.blobs.items()},
     )
-
-
-def _part(base: str, name: str, token: str) -> str:
-    head, _, tail = name.rpartition("/")
-    return f"{base}/{head}/.{tail}.part-{token}" if head else f"{base}/.{tail}.part-{token}"
-
-
-def _held(directory: StepDirectory, name: str) -> dict[str, Any] | None:
-    """What this place holds of committed step ``name``: manifest digest, its files, ours."""
-    storage = directory.storage
-    try:
-        raw = storage.read_bytes(f"{name}/{MANIFEST_NAME}")
-        manifest = Manifest.loads(raw, storage.describe(f"{name}/{MANIFEST_NAME}"))
-    except Exception as e:
-        log.warning("local tier: skipping %s: %s", directory.path(name), e)
-        return None
-    held: dict[str, int] = {MANIFEST_NAME: len(raw)}
-    for f in manifest.files:
-        try:
-            held[f] = storage.size(f"{name}/{f}")
-        except (FileNotFoundError, OSError):
-            continue
-    return {
-        "digest": digest(raw),
-        "files": {f: e.nbytes for f, e in manifest.files.items()},
-        "held": held,
-    }
-
-
-def _read_manifest(storage: Any, base: str, expected: str) -> Manifest:
-    raw = storage.read_bytes(f"{base}/{MANIFEST_NAME}")
-    if digest(raw) != expected:
-        raise CorruptCheckpointError(
-            f"{storage.describe(f'{base}/{MANIFEST_NAME}')} differs from the other hosts' copies"
-        )
-    return Manifest.loads(raw, storage.describe(f"{base}/{MANIFEST_NAME}"))
-
-
-def _extents_by_file(manifest: Manifest) -> dict[str, list[Extent]]:
-    out: dict[str, list[Extent]] = {}
-    for entry in manifest.tensors.values():
-        for piece in entry.pieces:
-            out.setdefault(piece.extent.file, []).append(piece.extent)
-    for extent in manifest.blobs.values():
-        out.setdefault(extent.file, []).append(extent)
-    return out
-
-
-__all__ = ["LocalTier"]

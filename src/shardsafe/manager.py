@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from . import local_restore
 from .directory import CheckpointDirectory, StepDirectory, parse_step, step_name
 from .dist import get_comm
 from .errors import (
@@ -408,7 +409,7 @@ class CheckpointManager:
         local = self._local
         assert local is not None
         self._settle()
-        inv = local.inventory()
+        inv = local_restore.inventory(local)
         steps: list[str] = inv["steps"]
         if step is not None:
             steps = [n for n in steps if n == step_name(step)]
@@ -423,7 +424,7 @@ class CheckpointManager:
             steps = [n for n in steps if floor is None or (parse_step(n) or 0) >= floor]
         for index, name in enumerate(steps):
             try:
-                result = local.restore(name, inv, state, load_into)
+                result = local_restore.restore(local, name, inv, state, load_into)
             except CheckpointError as e:
                 if not fallback or (
                     isinstance(e, DistributedError) and not is_damaged_checkpoint(e)

@@ -66,7 +66,6 @@ def exchange_files(
     target: Storage,
     target_rel: Callable[[str], str],
     chunk_bytes: int = CHUNK_BYTES,
-    on_bytes: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Send the copies this rank is the source of and receive those it is the destination of.
 
@@ -147,8 +146,6 @@ def exchange_files(
                     except Exception as e:
                         errors.append(f"cannot write {target_rel(incoming[src][i].name)}: {e}")
                         writers[(src, i)] = None
-                if on_bytes is not None:
-                    on_bytes(stop - start)
 
         try:
             # round j+1 moves over the network while round j is written to disk

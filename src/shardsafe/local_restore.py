@@ -1,0 +1,370 @@
+"""Restore from the node-local tier: which steps the surviving places hold between them, and
+how a step is brought to every place that needs it before the ordinary load reads it.
+
+An all-gathered inventory (each place's leader reports the manifest digest and the files it
+holds of every committed local step) names the steps complete across places. For the chosen
+step each place fetches what its ranks will read (:func:`shardsafe.loading.files_to_read`)
+from a rank that holds a copy (:func:`shardsafe.peers.plan_copies`,
+:func:`shardsafe.transfer.exchange_files`), checks every copy against the manifest before
+renaming it into place, and loads. When the load finds damage, every place checks the copies
+its ranks read, bad ones are replaced from other holders and the load runs again; a file with
+no intact copy left fails the step (the caller marks it and tries the next).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+from .checksum import digest
+from .directory import StepDirectory
+from .dist import outcome, raise_for
+from .engine import DEFAULT_MAX_BUFFER, verify_written
+from .errors import CheckpointError, CorruptCheckpointError, is_damaged_checkpoint
+from .format import MANIFEST_NAME, Extent, Manifest
+from .loading import files_to_read
+from .local_tier import LocalTier
+from .location import locate
+from .peers import Place, complete_steps, plan_copies
+from .transfer import exchange_files
+
+log = logging.getLogger("shardsafe")
+
+
+def inventory(tier: LocalTier) -> dict[str, Any]:
+    """Collective: which committed local steps each place holds, and which are complete.
+
+    Returns ``{"steps": [names, newest first, complete somewhere], "held": {place: {step:
+    {file: size}}}, "manifests": {step: {file: size}}, "digests": {step: digest}}``.
+    """
+    tier.settle()
+    comm = tier.comm
+    report: dict[str, Any] = {"place": list(tier.place), "steps": {}}
+    if tier.leader:
+        damaged = tier.dir.damaged()
+        for name in tier.dir.committed():
+            entry = _held(tier.dir, name)
+            if entry is not None:
+                entry["damaged"] = name in damaged
+                report["steps"][name] = entry
+    reports = comm.all_gather(report) if comm.distributed else [report]
+    held: dict[Place, dict[str, dict[str, int]]] = {}
+    votes: dict[str, dict[str, tuple[int, dict[str, int]]]] = {}
+    damaged_anywhere: set[str] = set()
+    leaders = [
+        (tier.places[r], rep)
+        for r, rep in enumerate(reports)
+        if tier.ranks_of[tier.places[r]][0] == r
+    ]
+    for place, rep in leaders:
+        for name, entry in rep["steps"].items():
+            if entry["damaged"]:
+                damaged_anywhere.add(name)
+            held.setdefault(place, {})[name] = entry["held"]
+            count, files = votes.setdefault(name, {}).get(entry["digest"], (0, entry["files"]))
+            votes[name][entry["digest"]] = (count + 1, files)
+    manifests: dict[str, dict[str, int]] = {}
+    digests: dict[str, str] = {}
+    for name, by_digest in votes.items():
+        digest = max(sorted(by_digest), key=lambda d: by_digest[d][0])
+        digests[name] = digest
+        manifests[name] = by_digest[digest][1]
+    # a place whose manifest differs from the majority's holds none of that step's files
+    for place, rep in leaders:
+        for name, entry in rep["steps"].items():
+            if entry["digest"] != digests[name]:
+                held.get(place, {}).pop(name, None)
+    complete = [n for n in complete_steps(held, manifests) if n not in damaged_anywhere]
+    return {
+        "steps": list(reversed(complete)),
+        "held": held,
+        "manifests": manifests,
+        "digests": digests,
+    }
+
+
+def restore(
+    tier: LocalTier,
+    name: str,
+    inv: Mapping[str, Any],
+    template: Any,
+    load_into: Callable[[str], Any],
+) -> Any:
+    """Collective: make every place hold the files of step ``name`` its ranks will read
+    (fetching verified copies from other places), then ``load_into(this place's path)``."""
+    comm = tier.comm
+    token = os.urandom(8).hex()  # names this rank's partial files only
+    held: dict[Place, dict[str, int]] = {
+        p: dict(steps.get(name, {})) for p, steps in inv["held"].items()
+    }
+    for p in tier.ranks_of:
+        held.setdefault(p, {})
+    has_step = {p for p, steps in inv["held"].items() if name in steps}
+    storage = tier.dir.storage
+    here = tier.place in has_step
+    fresh = locate(os.path.join(tier.root, name)).tmp_name("restore")
+    base = name if here else fresh
+
+    def dir_of(place: Place) -> str:
+        return name if place in has_step else fresh
+
+    if not here and tier.leader:
+        storage.remove_tree(fresh)  # what a crashed restore left
+    # 1. the manifest, where a place has no copy of the step
+    sizes = dict(inv["manifests"][name])
+    need_manifest = {p: {MANIFEST_NAME} for p in tier.ranks_of if p not in has_step}
+    if need_manifest:  # every holder's copy has the same digest, so the same size
+        msize = held[min(has_step)][MANIFEST_NAME]
+        _fetch(
+            tier,
+            need_manifest,
+            {p: {MANIFEST_NAME: msize} for p in has_step},
+            {MANIFEST_NAME: msize},
+            dir_of,
+            token,
+            None,
+        )
+    manifest, err = outcome(lambda: _read_manifest(storage, base, inv["digests"][name]))
+    _agree(tier, err, f"restore of local step {name}")
+    assert manifest is not None
+    # 2. the files every rank will read
+    mine, err = outcome(lambda: sorted(files_to_read(template, manifest)))
+    needs = (
+        comm.all_gather({"error": err, "files": mine})
+        if comm.distributed
+        else [{"error": err, "files": mine}]
+    )
+    raise_for([cast(dict[str, Any], n)["error"] for n in needs], f"restore of local step {name}")
+    needed: dict[Place, set[str]] = {}
+    for rank, n in enumerate(needs):
+        needed.setdefault(tier.places[rank], set()).update(n["files"])
+    extents = _extents_by_file(manifest)
+    # 3. fetch what each place lacks from places that hold it (each copy verified on arrival)
+    check = (extents, manifest.block_bytes)
+    _fetch(tier, needed, held, sizes, dir_of, token, check)
+    if not here and tier.leader:
+        storage.rename(base, name)
+    if comm.distributed:
+        comm.all_gather(None)  # every place has published its directory
+    path = os.path.join(tier.root, name)
+    try:
+        return load_into(path)  # verifies every block it reads
+    except CheckpointError as e:
+        if not is_damaged_checkpoint(e):
+            raise
+        failure = e
+    # 4. a local copy was damaged: find which (every place checks what its ranks read),
+    # replace them from places with an intact copy, and load again
+    now = {p: {**held.get(p, {}), **{n: sizes[n] for n in needed.get(p, ())}} for p in held}
+    refused = _verify_held(tier, needed, now, name, extents, manifest.block_bytes)
+    if not refused:
+        raise failure
+    _fetch(tier, needed, now, sizes, lambda p: name, token, check, refused)
+    if comm.distributed:
+        comm.all_gather(None)
+    log.warning(
+        "restore: local step %s: replaced %d damaged cop%s from other hosts; loading again",
+        name,
+        len(refused),
+        "y" if len(refused) == 1 else "ies",
+    )
+    return load_into(path)
+
+
+def _verify_held(
+    tier: LocalTier,
+    needed: Mapping[Place, set[str]],
+    held: Mapping[Place, Mapping[str, int]],
+    base: str,
+    extents: Mapping[str, list[Extent]],
+    block_bytes: int,
+) -> set[tuple[Place, str]]:
+    """Each place checks the copies it will read (spread over its ranks); returns the bad ones."""
+    comm = tier.comm
+    ranks = tier.ranks_of[tier.place]
+    mine = sorted(n for n in needed.get(tier.place, set()) if n in held.get(tier.place, {}))
+    mine = [n for i, n in enumerate(mine) if ranks[i % len(ranks)] == comm.rank]
+    bad: list[str] = []
+    storage = tier.dir.storage
+    for n in mine:
+        try:
+            diff = verify_written(
+                storage,
+                f"{base}/{n}",
+                extents.get(n, []),
+                block_bytes,
+                DEFAULT_MAX_BUFFER,
+                evict=False,
+            )
+        except Exception as e:
+            diff = [str(e)]
+        if diff:
+            log.warning(
+                "restore: the local copy of %s on %s is damaged (%s); fetching another",
+                storage.describe(f"{base}/{n}"),
+                tier.host,
+                diff[0],
+            )
+            bad.append(n)
+    every = comm.all_gather(bad) if comm.distributed else [bad]
+    return {(tier.places[r], n) for r, names in enumerate(every) for n in names}
+
+
+def _fetch(
+    tier: LocalTier,
+    needed: Mapping[Place, set[str]],
+    held: Mapping[Place, Mapping[str, int]],
+    sizes: Mapping[str, int],
+    dir_of: Callable[[Place], str],
+    token: str,
+    check: tuple[Mapping[str, list[Extent]], int] | None,
+    refused: set[tuple[Place, str]] | None = None,
+) -> None:
+    """Copy files to the places that need them; a copy that arrives damaged is refused
+    and fetched again from another holder. Raises the same error on every rank when a
+    file has no intact copy left."""
+    comm = tier.comm
+    refused = set(refused or ())
+    storage = tier.dir.storage
+    base = dir_of(tier.place)
+    for _attempt in range(len(tier.ranks_of) + 1):
+        copies, unavailable = plan_copies(needed, held, sizes, tier.ranks_of, refused)
+        if unavailable:
+            lost = sorted({n for names in unavailable.values() for n in names})
+            raise CorruptCheckpointError(
+                f"no intact copy of {', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''} "
+                f"is left on any host ({len(lost)} files)"
+            )
+        if not copies:
+            return
+        if tier.leader:
+            storage.make_dir(f"{base}/data")
+        if comm.distributed:
+            comm.all_gather(None)  # the directories exist before anyone writes into them
+        errors = exchange_files(
+            tier.group,
+            comm.rank,
+            comm.global_rank,
+            copies,
+            storage,
+            lambda n: f"{base}/{n}",
+            storage,
+            lambda n: _part(base, n, token),
+        )
+        failed: list[str] = []
+        for c in copies:
+            if c.dst != comm.rank:
+                continue
+            part = _part(base, c.name, token)
+            ok = not errors
+            if ok and check is not None:
+                extents, block_bytes = check
+                try:
+                    diff = verify_written(
+                        storage,
+                        part,
+                        extents.get(c.name, []),
+                        block_bytes,
+                        DEFAULT_MAX_BUFFER,
+                        evict=False,
+                    )
+                    ok = not diff and storage.size(part) == c.nbytes
+                except Exception:
+                    ok = False
+            if ok:
+                storage.rename(part, f"{base}/{c.name}")
+            else:
+                storage.remove_tree(part)
+                failed.append(c.name)
+                log.warning(
+                    "restore: the copy of %s from rank %d (%s) is damaged; trying another holder",
+                    c.name,
+                    c.src,
+                    tier.places[c.src][0],
+                )
+        if comm.distributed:
+            reports = comm.all_gather({"failed": failed, "errors": errors})
+        else:
+            reports = [{"failed": failed, "errors": errors}]
+        if any(r["errors"] for r in reports):
+            raise CheckpointError(
+                "copying checkpoint files between hosts failed: "
+                + "; ".join(
+                    f"rank {i}: {r['errors'][0]}" for i, r in enumerate(reports) if r["errors"]
+                )
+            )
+        bad = {
+            (tier.places[c.src], c.name)
+            for c in copies
+            for n in reports[c.dst]["failed"]
+            if n == c.name
+        }
+        if not bad:
+            return
+        refused |= bad
+        # what arrived intact is held now
+        now = {p: dict(h) for p, h in held.items()}
+        for c in copies:
+            if c.name not in reports[c.dst]["failed"]:
+                now[tier.places[c.dst]][c.name] = c.nbytes
+        held = now
+    raise CorruptCheckpointError("copies kept arriving damaged; giving up on this step")
+
+
+def _agree(tier: LocalTier, err: dict[str, Any] | None, stage: str) -> None:
+    comm = tier.comm
+    if comm.distributed:
+        raise_for([r["error"] for r in comm.all_gather({"error": err})], stage)
+    elif err is not None:
+        raise_for([err], stage)
+
+
+def _part(base: str, name: str, token: str) -> str:
+    head, _, tail = name.rpartition("/")
+    return f"{base}/{head}/.{tail}.part-{token}" if head else f"{base}/.{tail}.part-{token}"
+
+
+def _held(directory: StepDirectory, name: str) -> dict[str, Any] | None:
+    """What this place holds of committed step ``name``: manifest digest, its files, ours."""
+    storage = directory.storage
+    try:
+        raw = storage.read_bytes(f"{name}/{MANIFEST_NAME}")
+        manifest = Manifest.loads(raw, storage.describe(f"{name}/{MANIFEST_NAME}"))
+    except Exception as e:
+        log.warning("local tier: skipping %s: %s", directory.path(name), e)
+        return None
+    held: dict[str, int] = {MANIFEST_NAME: len(raw)}
+    for f in manifest.files:
+        try:
+            held[f] = storage.size(f"{name}/{f}")
+        except (FileNotFoundError, OSError):
+            continue
+    return {
+        "digest": digest(raw),
+        "files": {f: e.nbytes for f, e in manifest.files.items()},
+        "held": held,
+    }
+
+
+def _read_manifest(storage: Any, base: str, expected: str) -> Manifest:
+    raw = storage.read_bytes(f"{base}/{MANIFEST_NAME}")
+    if digest(raw) != expected:
+        raise CorruptCheckpointError(
+            f"{storage.describe(f'{base}/{MANIFEST_NAME}')} differs from the other hosts' copies"
+        )
+    return Manifest.loads(raw, storage.describe(f"{base}/{MANIFEST_NAME}"))
+
+
+def _extents_by_file(manifest: Manifest) -> dict[str, list[Extent]]:
+    out: dict[str, list[Extent]] = {}
+    for entry in manifest.tensors.values():
+        for piece in entry.pieces:
+            out.setdefault(piece.extent.file, []).append(piece.extent)
+    for extent in manifest.blobs.values():
+        out.setdefault(extent.file, []).append(extent)
+    return out
+
+
+__all__ = ["LocalTier"]
