@@ -6,6 +6,7 @@ saves every 10; one host is killed mid-save and its local root deleted; a restar
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -307,11 +308,11 @@ def _exchange(rank: int, world: int, tmp: str) -> Any:
 
     storage = LocalStorage(f"{tmp}/r{rank}")
     for name, n in SIZES.items():  # each rank's files carry its rank in their names
-        storage.write_bytes(f"src/r{rank}-{name}", _content(rank, n))
+        storage.write_bytes(f"src/data/r{rank}-{name}", _content(rank, n))
     # a ring plus a second stream into rank 0: ranks 0 and 1 send to and receive from each
     # other; several files per stream, one empty, streams of different lengths
     copies = [
-        Copy(f"r{src}-{name}", n, src, dst)
+        Copy(f"data/r{src}-{name}", n, src, dst)
         for src, dst in ((0, 1), (1, 2), (2, 0), (1, 0))
         for name, n in SIZES.items()
         if not (src == 1 and dst == 0 and name == "a.bin")
@@ -343,9 +344,45 @@ def test_files_move_between_ranks_in_bounded_chunks(tmp_path: Path) -> None:
     for rank, (errors, got) in enumerate(results):
         assert errors == []
         for key, data in got.items():
-            src, name = key.split("-", 1)
+            src, name = key.removeprefix("data/").split("-", 1)
             assert data == _content(int(src[1:]), SIZES[name]), (rank, key)
     assert sorted(results[0][1]) == [
-        "r1-b.bin", "r1-c.bin", "r1-d.bin", "r2-a.bin", "r2-b.bin", "r2-c.bin", "r2-d.bin",
-    ]  # fmt: skip
-    assert sorted(results[2][1]) == ["r1-a.bin", "r1-b.bin", "r1-c.bin", "r1-d.bin"]
+        f"data/{n}"
+        for n in (
+            "r1-b.bin",
+            "r1-c.bin",
+            "r1-d.bin",
+            "r2-a.bin",
+            "r2-b.bin",
+            "r2-c.bin",
+            "r2-d.bin",
+        )
+    ]
+    assert sorted(results[2][1]) == [f"data/r1-{n}" for n in ("a.bin", "b.bin", "c.bin", "d.bin")]
+
+
+def test_places_disagreeing_on_a_manifest_fall_back_a_step(
+    trained: Path, tmp_path: Path, caplog: Any
+) -> None:
+    run = fresh_copy(trained, tmp_path)
+    # host b's manifest of step 13 is valid but not the one host a holds (written again with
+    # other whitespace: another digest); neither can be trusted over the other
+    manifest = run / "local" / "b" / "step_000000013" / "manifest.json"
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()), indent=3))
+    results = run_ranks(_restore, 2, str(run), ["a", "b"], timeout=240, start_method="forkserver")
+    assert {r["restored"] for r in results} == {12}
+    assert all(r["tier"] == "local" for r in results)
+    check_exact(results, 12)
+    for host in ("a", "b"):  # the step is marked damaged in every place that has it
+        assert (run / "local" / host / ".step_000000013.shardsafe-damaged").exists(), host
+
+
+def test_a_place_with_an_unreadable_manifest_skips_the_step(trained: Path, tmp_path: Path) -> None:
+    run = fresh_copy(trained, tmp_path)
+    # host a holds every file of step 13 (its own and its copies of b's), host b's manifest
+    # is garbage: b's directory is in the way of a fetched copy, so the step is not used
+    (run / "local" / "b" / "step_000000013" / "manifest.json").write_text("{not json")
+    results = run_ranks(_restore, 2, str(run), ["a", "b"], timeout=240, start_method="forkserver")
+    assert {r["restored"] for r in results} == {12}
+    assert all(r["tier"] == "local" for r in results)
+    check_exact(results, 12)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from .checksum import digest
-from .directory import StepDirectory
+from .directory import StepDirectory, parse_step
 from .dist import outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
 from .errors import CheckpointError, CorruptCheckpointError, is_damaged_checkpoint
@@ -27,7 +27,7 @@ from .format import MANIFEST_NAME, Extent, Manifest
 from .loading import files_to_read
 from .local_tier import LocalTier
 from .location import locate
-from .peers import Place, complete_steps, plan_copies
+from .peers import Place, check_offered, check_offered_size, complete_steps, plan_copies
 from .transfer import exchange_files
 
 log = logging.getLogger("shardsafe")
@@ -37,7 +37,8 @@ def inventory(tier: LocalTier) -> dict[str, Any]:
     """Collective: which committed local steps each place holds, and which are complete.
 
     Returns ``{"steps": [names, newest first, complete somewhere], "held": {place: {step:
-    {file: size}}}, "manifests": {step: {file: size}}, "digests": {step: digest}}``.
+    {file: size}}}, "manifests": {step: {file: size}}, "digests": {step: digest},
+    "conflicts": {step: ["host:root digest", ...] where places hold different manifests}}``.
     """
     tier.settle()
     comm = tier.comm
@@ -46,27 +47,32 @@ def inventory(tier: LocalTier) -> dict[str, Any]:
         damaged = tier.dir.damaged()
         for name in tier.dir.committed():
             entry = _held(tier.dir, name)
-            if entry is not None:
-                entry["damaged"] = name in damaged
-                report["steps"][name] = entry
+            entry["damaged"] = name in damaged or entry.pop("unreadable", False)
+            report["steps"][name] = entry
     reports = comm.all_gather(report) if comm.distributed else [report]
     held: dict[Place, dict[str, dict[str, int]]] = {}
     votes: dict[str, dict[str, tuple[int, dict[str, int]]]] = {}
     damaged_anywhere: set[str] = set()
     leaders = [
-        (tier.places[r], rep)
+        (tier.places[r], _checked_report(rep, f"rank {r} ({tier.places[r][0]})"))
         for r, rep in enumerate(reports)
         if tier.ranks_of[tier.places[r]][0] == r
     ]
     for place, rep in leaders:
         for name, entry in rep["steps"].items():
-            if entry["damaged"]:
+            if entry.get("damaged"):
                 damaged_anywhere.add(name)
             held.setdefault(place, {})[name] = entry["held"]
             count, files = votes.setdefault(name, {}).get(entry["digest"], (0, entry["files"]))
             votes[name][entry["digest"]] = (count + 1, files)
     manifests: dict[str, dict[str, int]] = {}
     digests: dict[str, str] = {}
+    # places holding different manifests of one step: restore() refuses it as damaged
+    conflicts: dict[str, list[str]] = {}
+    for place, rep in leaders:
+        for name, entry in rep["steps"].items():
+            if len(votes[name]) > 1:
+                conflicts.setdefault(name, []).append(f"{place[0]}:{place[1]} {entry['digest']}")
     for name, by_digest in votes.items():
         digest = max(sorted(by_digest), key=lambda d: by_digest[d][0])
         digests[name] = digest
@@ -82,6 +88,7 @@ def inventory(tier: LocalTier) -> dict[str, Any]:
         "held": held,
         "manifests": manifests,
         "digests": digests,
+        "conflicts": conflicts,
     }
 
 
@@ -95,6 +102,12 @@ def restore(
     """Collective: make every place hold the files of step ``name`` its ranks will read
     (fetching verified copies from other places), then ``load_into(this place's path)``."""
     comm = tier.comm
+    if name in inv.get("conflicts", {}):  # the same inventory on every rank: all raise here
+        raise CorruptCheckpointError(
+            f"local step {name}: the hosts hold different manifest.json files (place, xxh3 "
+            f"digest: {'; '.join(inv['conflicts'][name])}); none can be trusted over the others, "
+            "so the step is treated as damaged"
+        )
     token = os.urandom(8).hex()  # names this rank's partial files only
     held: dict[Place, dict[str, int]] = {
         p: dict(steps.get(name, {})) for p, steps in inv["held"].items()
@@ -139,15 +152,22 @@ def restore(
     raise_for([cast(dict[str, Any], n)["error"] for n in needs], f"restore of local step {name}")
     needed: dict[Place, set[str]] = {}
     for rank, n in enumerate(needs):
-        needed.setdefault(tier.places[rank], set()).update(n["files"])
+        sender = f"rank {rank} ({tier.places[rank][0]})"
+        files = {check_offered(f, sender) for f in n["files"]}
+        unknown = sorted(files - set(manifest.files))
+        if unknown:  # every rank sees the same lists: every rank raises this
+            raise CorruptCheckpointError(
+                f"{sender} asked for {unknown[0]!r}, which local step {name} does not hold"
+            )
+        needed.setdefault(tier.places[rank], set()).update(files)
     extents = _extents_by_file(manifest)
     # 3. fetch what each place lacks from places that hold it (each copy verified on arrival)
     check = (extents, manifest.block_bytes)
     _fetch(tier, needed, held, sizes, dir_of, token, check)
+    err = None
     if not here and tier.leader:
-        storage.rename(base, name)
-    if comm.distributed:
-        comm.all_gather(None)  # every place has published its directory
+        _, err = outcome(lambda: storage.rename(base, name))
+    _agree(tier, err, f"restore of local step {name}")  # every place has published its directory
     path = os.path.join(tier.root, name)
     try:
         return load_into(path)  # verifies every block it reads
@@ -326,15 +346,45 @@ def _part(base: str, name: str, token: str) -> str:
     return f"{base}/{head}/.{tail}.part-{token}" if head else f"{base}/.{tail}.part-{token}"
 
 
-def _held(directory: StepDirectory, name: str) -> dict[str, Any] | None:
+def _checked_report(report: Any, sender: str) -> dict[str, Any]:
+    """A place leader's inventory report, every step and file name in it checked before any
+    becomes a path here; the same reports reach every rank, so every rank raises alike."""
+    try:
+        steps = report["steps"]
+        if not isinstance(steps, dict):
+            raise TypeError(f"steps is a {type(steps).__name__}")
+        for name, entry in steps.items():
+            if not isinstance(name, str) or parse_step(name) is None:
+                raise CorruptCheckpointError(
+                    f"{sender} reported the local step {str(name)[:100]!r}, which is not a step name"
+                )
+            if not isinstance(entry["digest"], str):
+                raise TypeError("a digest is not a string")
+            for what in ("files", "held"):
+                for f, size in entry[what].items():
+                    check_offered(f, sender)
+                    check_offered_size(size, f, sender)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CorruptCheckpointError(
+            f"the local-tier inventory report of {sender} is not readable ({e}); "
+            "does that rank run a different shardsafe version?"
+        ) from e
+    return cast(dict[str, Any], report)
+
+
+def _held(directory: StepDirectory, name: str) -> dict[str, Any]:
     """What this place holds of committed step ``name``: manifest digest, its files, ours."""
     storage = directory.storage
     try:
         raw = storage.read_bytes(f"{name}/{MANIFEST_NAME}")
         manifest = Manifest.loads(raw, storage.describe(f"{name}/{MANIFEST_NAME}"))
     except Exception as e:
-        log.warning("local tier: skipping %s: %s", directory.path(name), e)
-        return None
+        # other places may hold a good copy, but this one's directory is in the way: the
+        # step is not restored from the local tier at all
+        log.warning("local tier: %s is unreadable, step skipped: %s", directory.path(name), e)
+        return {"digest": "", "files": {}, "held": {}, "unreadable": True}
     held: dict[str, int] = {MANIFEST_NAME: len(raw)}
     for f in manifest.files:
         try:

@@ -40,7 +40,7 @@ from .errors import CheckpointError
 from .format import Extent, Manifest
 from .lease import LEASE_SECONDS, Lease
 from .location import Location, locate
-from .peers import Copy, Place, place_ranks, replica_peers
+from .peers import Copy, Place, check_offered, check_offered_size, place_ranks, replica_peers
 from .save_plan import PlanCache, PlannedSave, plan_save
 from .save_target import abort, begin, work_dir
 from .save_write import ShareItems, encode_share, write_share
@@ -387,18 +387,20 @@ class LocalTier:
                 "files": result["files"],
                 "extents": [*result["pieces"].values(), *result["blobs"].values()],
             }
-        offers = {
-            src: json.loads(raw)
-            for src, raw in self._swap_headers(json.dumps(offer).encode()).items()
-        }
+        errors: list[str] = []
+        offers: dict[int, dict[str, Any]] = {}
+        for src, raw in self._swap_headers(json.dumps(offer).encode()).items():
+            offers[src], problem = self._parse_offer(src, raw)
+            if problem:
+                errors.append(problem)
         copies = [
             Copy(n, int(s), comm.rank, dst)
             for dst in self.peers[comm.rank]
             for n, s in sorted(offer["files"].items())
         ]
         for src, theirs in sorted(offers.items()):
-            copies += [Copy(n, int(s), src, comm.rank) for n, s in sorted(theirs["files"].items())]
-        errors = exchange_files(
+            copies += [Copy(n, s, src, comm.rank) for n, s in sorted(theirs["files"].items())]
+        errors += exchange_files(
             self.group,
             comm.rank,
             comm.global_rank,
@@ -410,12 +412,10 @@ class LocalTier:
         )
         received: dict[str, int] = {}
         for src, theirs in sorted(offers.items()):
-            by_file: dict[str, list[Extent]] = {}
-            for e in theirs["extents"]:
-                by_file.setdefault(e["file"], []).append(
-                    Extent(e["file"], e["byte_offset"], e["nbytes"], tuple(e["checksums"]))
-                )
+            by_file: dict[str, list[Extent]] = theirs["extents"]
             for n, s in sorted(theirs["files"].items()):
+                if n in theirs["refused"]:
+                    continue  # never written: exchange_files refused the name
                 rel = f"{work}/{n}"
                 try:
                     bad = verify_written(
@@ -442,6 +442,48 @@ class LocalTier:
             )
             return received, error_record(failure)
         return received, None
+
+    def _parse_offer(self, src: int, raw: bytes) -> tuple[dict[str, Any], str | None]:
+        """What rank ``src`` offers to send: ``{"files": {name: size}, "extents": {name:
+        [Extent]}, "refused": {names}}``, and what is wrong with it. Every name is checked as
+        a manifest's are before it becomes a path here; a refused name still gets its stream
+        (its bytes are dropped) so that the sender is never left waiting."""
+        sender = f"rank {src} ({self.places[src][0]})"
+        files: dict[str, int] = {}
+        refused: set[str] = set()
+        extents: dict[str, list[Extent]] = {}
+        problems: list[str] = []
+        try:
+            body = json.loads(raw)
+            offered = body["files"]
+            if not isinstance(offered, dict):
+                raise TypeError(f"files is a {type(offered).__name__}")
+        except Exception as e:
+            problem = f"the offer of {sender} is not readable ({e}); it runs different code?"
+            return {"files": {}, "extents": {}, "refused": set()}, problem
+        for n, size in offered.items():
+            try:
+                files[n] = check_offered_size(size, str(n)[:100], sender)
+            except CheckpointError as e:
+                files[n] = 0
+                problems.append(str(e))
+            try:
+                check_offered(n, sender)
+            except CheckpointError as e:
+                refused.add(n)
+                problems.append(str(e))
+        try:
+            for x in body.get("extents") or []:
+                if x["file"] in files and x["file"] not in refused:
+                    extents.setdefault(x["file"], []).append(
+                        Extent(x["file"], x["byte_offset"], x["nbytes"], tuple(x["checksums"]))
+                    )
+        except Exception as e:
+            refused.update(files)  # nothing to check the copies against
+            problems.append(f"the offer of {sender} has unreadable checksums ({e})")
+        return {"files": files, "extents": extents, "refused": refused}, (
+            "; ".join(problems) or None
+        )
 
     def _swap_headers(self, payload: bytes) -> dict[int, bytes]:
         """Send ``payload`` to this rank's peers; return what each of its sources sent."""

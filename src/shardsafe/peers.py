@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from .errors import CorruptCheckpointError
+from .format import MANIFEST_NAME, MAX_INT, check_file_name
 
 Place = tuple[str, str]
 """(host id, local root): the ranks that give the same pair share a directory."""
@@ -56,6 +60,32 @@ def place_ranks(places: Sequence[Place]) -> dict[Place, list[int]]:
     for rank, place in enumerate(places):
         out.setdefault(place, []).append(rank)
     return out
+
+
+def check_offered(name: Any, sender: str) -> str:
+    """Refuse a file name that came from another rank unless it is ``manifest.json`` or a
+    name a manifest may hold (:func:`shardsafe.format.check_file_name`): such names become
+    paths under a local root, and ``data/../../x`` would be written outside it."""
+    if name == MANIFEST_NAME:
+        return name
+    try:
+        return check_file_name(name)
+    except CorruptCheckpointError:
+        raise CorruptCheckpointError(
+            f"{sender} named the file {str(name)[:100]!r}, which is not a checkpoint file name "
+            f"(must be {MANIFEST_NAME!r} or look like 'data/rank-00000-00.bin'); refusing it: "
+            "that rank runs different code or its memory is corrupt"
+        ) from None
+
+
+def check_offered_size(size: Any, name: str, sender: str) -> int:
+    """Refuse a file size from another rank that is not an int in ``[0, MAX_INT)``."""
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size < MAX_INT:
+        raise CorruptCheckpointError(
+            f"{sender} gave the size {str(size)[:40]!r} for {name}, which is not a file size; "
+            "refusing it: that rank runs different code or its memory is corrupt"
+        )
+    return size
 
 
 @dataclass(frozen=True)

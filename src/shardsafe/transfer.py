@@ -7,7 +7,9 @@ non-blocking, then waits for all of them, posts round j+1 and writes round j's c
 while round j+1 moves. No rank waits for a message that its peer posts only after a wait of
 its own, so there is no deadlock, and the memory in flight is two chunks per stream. A rank that cannot read or write keeps taking part in every round (sending
 zeros, dropping what it receives) and reports its error afterwards, so a local failure
-never leaves a peer blocked.
+never leaves a peer blocked. A file name that is not a checkpoint file's
+(:func:`shardsafe.peers.check_offered`) is never opened on either end: its bytes still move
+(zeros from the sender, dropped by the receiver) and both report the refusal.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 import torch.distributed as tdist
 
 from .codec import array_view
-from .peers import Copy
+from .errors import CheckpointError
+from .peers import Copy, check_offered
 from .storage import Storage
 
 log = logging.getLogger("shardsafe")
@@ -71,10 +74,18 @@ def exchange_files(
 
     Files are read from ``source`` at ``source_rel(name)`` and written (created, fsynced) to
     ``target`` at ``target_rel(name)``. Returns this rank's errors (empty on success); it
-    never raises for an I/O failure, so that every rank finishes every round.
+    never raises for an I/O failure or a refused name, so that every rank finishes every round.
     """
     outgoing, incoming = _streams(copies, rank)
     errors: list[str] = []
+    refused: set[str] = set()  # names that would be paths outside the checkpoint: never opened
+    for c in copies:
+        if rank in (c.src, c.dst) and c.src != c.dst and c.name not in refused:
+            try:
+                check_offered(c.name, f"the copy of a file from rank {c.src} to rank {c.dst}")
+            except CheckpointError as e:
+                refused.add(c.name)
+                errors.append(str(e))
     # a peer may be both a destination and a source: each of its two streams has its own length
     out_len = {peer: sum(c.nbytes for c in fs) for peer, fs in outgoing.items()}
     in_len = {peer: sum(c.nbytes for c in fs) for peer, fs in incoming.items()}
@@ -87,6 +98,9 @@ def exchange_files(
             key = (src, index)
             if key not in writers:
                 c = incoming[src][index]
+                if c.name in refused:
+                    writers[key] = None
+                    return None
                 try:
                     writers[key] = stack.enter_context(target.open_write(target_rel(c.name)))
                 except Exception as e:
@@ -116,6 +130,8 @@ def exchange_files(
                 buf = torch.zeros(stop - start, dtype=torch.uint8)
                 view = array_view(buf.numpy())
                 for i, off, at, n in _segments(files, start, stop):
+                    if files[i].name in refused:
+                        continue  # zeros: the receiver drops them
                     try:
                         reader(dst, i).read_into(off, view[at : at + n])
                     except Exception as e:
