@@ -33,6 +33,7 @@ def manager(tmp: str, host: str, **kw: Any) -> CheckpointManager:
         persistent_every=10,
         replicas=1,
         dead_after=2.0,
+        run_id="tiers",  # the tests restore copies of the run made elsewhere
         **kw,
     )
 
@@ -92,6 +93,12 @@ def _restore(rank: int, world: int, tmp: str, hosts: list[str]) -> Any:
     }
 
 
+def place(run: Path, host: str) -> Path:
+    """The directory of the run's local steps on ``host``: ``local/<host>/run-<key>``."""
+    (found,) = (run / "local" / host).glob("run-*")
+    return found
+
+
 def check_exact(results: list[dict[str, Any]], step: int) -> None:
     w_ref, m_ref = reference(step)
     world = len(results)
@@ -137,13 +144,13 @@ def test_persistent_and_local_steps_after_training(trained: Path) -> None:
 
     assert sorted(os.listdir(trained / "persistent")) == ["latest", "step_000000010"]
     for host in ("a", "b"):
-        steps = sorted(n for n in os.listdir(trained / "local" / host) if n.startswith("step_"))
+        steps = sorted(n for n in os.listdir(place(trained, host)) if n.startswith("step_"))
         assert steps == ["step_000000012", "step_000000013"], (host, steps)
     # every host holds its own ranks' files and a copy of the other host's
-    files = sorted(os.listdir(trained / "local" / "a" / "step_000000013" / "data"))
+    files = sorted(os.listdir(place(trained, "a") / "step_000000013" / "data"))
     assert {f.split("-")[1] for f in files} == {"00000", "00001", "00002", "00003"}
     # a local step is an ordinary checkpoint for the command line
-    step = trained / "local" / "a" / "step_000000013"
+    step = place(trained, "a") / "step_000000013"
     cli = [sys.executable, "-m", "shardsafe"]
     out = subprocess.run([*cli, "inspect", str(step)], capture_output=True, text=True)
     assert out.returncode == 0 and "model.w" in out.stdout, out.stdout + out.stderr
@@ -179,7 +186,7 @@ def test_damaged_only_copy_falls_back_a_step(trained: Path, tmp_path: Path, capl
     run = fresh_copy(trained, tmp_path)
     shutil.rmtree(run / "local" / "b")
     # host a holds the only copy of rank 2's files for step 13: flip a byte in one
-    data = run / "local" / "a" / "step_000000013" / "data"
+    data = place(run, "a") / "step_000000013" / "data"
     victim = sorted(
         p for p in data.iterdir() if p.name.startswith("rank_00002") or "00002" in p.name
     )[0]
@@ -192,13 +199,13 @@ def test_damaged_only_copy_falls_back_a_step(trained: Path, tmp_path: Path, capl
     assert {r["restored"] for r in results} == {12}
     assert all(r["tier"] == "local" for r in results)
     check_exact(results, 12)
-    assert (run / "local" / "a" / ".step_000000013.shardsafe-damaged").exists()
+    assert (place(run, "a") / ".step_000000013.shardsafe-damaged").exists()
 
 
 def test_damaged_copy_is_replaced_from_its_other_holder(trained: Path, tmp_path: Path) -> None:
     run = fresh_copy(trained, tmp_path)
     # both hosts survive; host a's replica of one of rank 2's files is corrupt, host b's original is fine
-    data = run / "local" / "a" / "step_000000013" / "data"
+    data = place(run, "a") / "step_000000013" / "data"
     victim = sorted(p for p in data.iterdir() if "00002" in p.name)[0]
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 0x01
@@ -213,7 +220,7 @@ def test_damaged_copy_is_replaced_from_its_other_holder(trained: Path, tmp_path:
     # host a's copy was replaced by host b's intact one
     assert (
         victim.read_bytes()
-        == (run / "local" / "b" / "step_000000013" / "data" / victim.name).read_bytes()
+        == (place(run, "b") / "step_000000013" / "data" / victim.name).read_bytes()
     )
 
 
@@ -367,21 +374,21 @@ def test_places_disagreeing_on_a_manifest_fall_back_a_step(
     run = fresh_copy(trained, tmp_path)
     # host b's manifest of step 13 is valid but not the one host a holds (written again with
     # other whitespace: another digest); neither can be trusted over the other
-    manifest = run / "local" / "b" / "step_000000013" / "manifest.json"
+    manifest = place(run, "b") / "step_000000013" / "manifest.json"
     manifest.write_text(json.dumps(json.loads(manifest.read_text()), indent=3))
     results = run_ranks(_restore, 2, str(run), ["a", "b"], timeout=240, start_method="forkserver")
     assert {r["restored"] for r in results} == {12}
     assert all(r["tier"] == "local" for r in results)
     check_exact(results, 12)
     for host in ("a", "b"):  # the step is marked damaged in every place that has it
-        assert (run / "local" / host / ".step_000000013.shardsafe-damaged").exists(), host
+        assert (place(run, host) / ".step_000000013.shardsafe-damaged").exists(), host
 
 
 def test_a_place_with_an_unreadable_manifest_skips_the_step(trained: Path, tmp_path: Path) -> None:
     run = fresh_copy(trained, tmp_path)
     # host a holds every file of step 13 (its own and its copies of b's), host b's manifest
     # is garbage: b's directory is in the way of a fetched copy, so the step is not used
-    (run / "local" / "b" / "step_000000013" / "manifest.json").write_text("{not json")
+    (place(run, "b") / "step_000000013" / "manifest.json").write_text("{not json")
     results = run_ranks(_restore, 2, str(run), ["a", "b"], timeout=240, start_method="forkserver")
     assert {r["restored"] for r in results} == {12}
     assert all(r["tier"] == "local" for r in results)

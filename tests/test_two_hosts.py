@@ -252,7 +252,8 @@ def test_local_tier_host_lost_restart_with_three_ranks_resumes_from_local_step(
         out = _finish(procs[other], 120)
         assert procs[other].returncode != 0, out
         assert sorted(os.listdir(root)) == ["latest", "step_000000010"]
-        held = sorted(n for n in os.listdir(disks[other]) if n.startswith("step_"))
+        (run_dir,) = disks[other].glob("run-*")  # the run's own directory on the disk
+        held = sorted(n for n in os.listdir(run_dir) if n.startswith("step_"))
         # the killed coordinator may have committed step 14 before it died (its writer thread
         # runs on while the training thread waits): the survivor then holds 13 and 14
         assert held in (["step_000000012", "step_000000013"], ["step_000000013", "step_000000014"])

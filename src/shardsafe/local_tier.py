@@ -8,12 +8,18 @@ place's leader (its lowest rank) publishes the step in its own directory: the sa
 everywhere, beside the data files that place holds. A local step directory is an ordinary
 shardsafe checkpoint that may lack the files held elsewhere.
 
+A node's disk outlives the job, and several runs may share one ``local_root``: each run keeps
+its steps in its own directory ``<local_root>/run-<key>/``, the key a digest of the run's
+identity (the ``run_id`` the user gave, else the persistent root as the coordinator resolves
+it), spelled out in ``run.json`` there. A run reads, replaces and deletes nothing outside it.
+
 Restoring from it is :mod:`shardsafe.local_restore`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -33,7 +39,7 @@ import torch.distributed as tdist
 from .checksum import DEFAULT_BLOCK_BYTES
 from .commit import assemble, check_files, commit
 from .directio import DirectIO
-from .directory import StepDirectory
+from .directory import StepDirectory, parse_step
 from .dist import error_record, get_comm, outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
 from .errors import CheckpointError
@@ -53,6 +59,60 @@ from .transfer import exchange_files
 log = logging.getLogger("shardsafe")
 
 
+RUN_FILE = "run.json"
+"""In a run's directory of a local root: the identity whose digest names the directory."""
+
+
+def run_identity(persistent_root: str, run_id: str | None = None) -> dict[str, str]:
+    """What tells one run's local steps from another's: ``run_id`` when the user gives one
+    (a run whose persistent root moves keeps its local steps), else the persistent root
+    (symbolic links resolved for a path, as given for a URL)."""
+    if run_id is not None:
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError(f"run_id must be a non-empty str or None, got {run_id!r}")
+        return {"run_id": run_id}
+    text = os.fspath(persistent_root)
+    return {"persistent_root": text.rstrip("/") if is_url(text) else os.path.realpath(text)}
+
+
+def run_dir_name(identity: Mapping[str, str]) -> str:
+    """``run-<16 hex digits>``: the directory of a run's local steps under a local root."""
+    canonical = json.dumps(dict(identity), sort_keys=True, separators=(",", ":"))
+    return "run-" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _claim_run_dir(base: str, name: str, identity: Mapping[str, str]) -> None:
+    """Leader of a place: create ``base/name`` with its ``run.json``, or check that the one
+    there is this run's; say (once) that steps of an earlier version lie directly in ``base``."""
+    storage = StepDirectory(base).storage
+    storage.make_dir(name)
+    rel = f"{name}/{RUN_FILE}"
+    mine = json.dumps(dict(identity), sort_keys=True, indent=1).encode()
+    try:
+        theirs = json.loads(storage.read_bytes(rel)) if storage.exists(rel) else None
+    except (OSError, ValueError):
+        theirs = None  # a crash while writing it: written again below
+    if theirs is not None and theirs != dict(identity):
+        raise CheckpointError(
+            f"{storage.describe(rel)} names another run ({theirs}) than this one "
+            f"({dict(identity)}): the directory {storage.describe(name)} is not this run's "
+            "(an edited file or a digest collision); remove it if no job uses it"
+        )
+    if theirs is None:
+        tmp = f"{name}/.{RUN_FILE}.tmp-{uuid.uuid4().hex[:12]}"
+        storage.write_bytes(tmp, mine)
+        storage.rename(tmp, rel)
+    legacy = sorted(n for n in storage.list_dir("") if parse_step(n) is not None)
+    if legacy:
+        log.warning(
+            "local tier: %s holds local steps of an earlier shardsafe version (%s%s); they name "
+            "no run, so no run restores or deletes them: remove them when no job needs them",
+            base,
+            ", ".join(legacy[:3]),
+            " ..." if len(legacy) > 3 else "",
+        )
+
+
 @dataclass(frozen=True)
 class Drain:
     """Copy a committed local step into the persistent tier instead of saving it twice."""
@@ -69,6 +129,8 @@ class LocalTier:
         self,
         root: str | os.PathLike[str],
         *,
+        persistent_root: str | os.PathLike[str],
+        run_id: str | None = None,
         process_group: Any = None,
         node_id: str | None = None,
         replicas: int = 1,
@@ -88,9 +150,11 @@ class LocalTier:
             )
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"local_keep_last must be a positive int, got {keep_last!r}")
+        identity = run_identity(os.fspath(persistent_root), run_id)
         self.process_group = process_group
         self.comm = get_comm(process_group)
-        self.root = os.path.abspath(text)
+        self.base = os.path.abspath(text)
+        """The ``local_root`` as given: this run's steps are in its directory :attr:`root`."""
         self.host = str(node_id) if node_id is not None else socket.gethostname()
         self.keep_last = keep_last
         self.timeout = timeout
@@ -101,12 +165,17 @@ class LocalTier:
         self.verify_after_write = verify_after_write
         self.direct_io = DirectIO(direct_io)
         comm = self.comm
-        mine: Place = (self.host, self.root)
-        places = comm.all_gather(list(mine)) if comm.distributed else [list(mine)]
-        self.places: list[Place] = [(str(h), str(r)) for h, r in places]
-        self.place: Place = mine
+        report: list[Any] = [self.host, self.base, identity]
+        places = comm.all_gather(report) if comm.distributed else [report]
+        # the coordinator's view of the run: every place keeps it in the same directory
+        self.identity: dict[str, str] = dict(places[0][2])
+        run_dir = run_dir_name(self.identity)
+        self.root = os.path.join(self.base, run_dir)
+        """This run's directory of local steps under the local root (see the module docstring)."""
+        self.places: list[Place] = [(str(h), os.path.join(str(b), run_dir)) for h, b, _ in places]
+        self.place: Place = (self.host, self.root)
         self.ranks_of = place_ranks(self.places)
-        self.leader = self.ranks_of[mine][0] == comm.rank
+        self.leader = self.ranks_of[self.place][0] == comm.rank
         hosts = [p[0] for p in self.places]
         distinct = len(set(hosts))
         if replicas > distinct - 1:
@@ -142,9 +211,15 @@ class LocalTier:
         self._inflight: AsyncSaveHandle | None = None
         self._clients: StoreClients | None = None
         self._active: set[str] = set()
+        err = None
         if self.leader:
-            self.dir.storage.make_dir("")
-            self.dir.clean()
+            _, err = outcome(lambda: _claim_run_dir(self.base, run_dir, self.identity))
+            if err is None:
+                _, err = outcome(self.dir.clean)
+        errors = comm.all_gather(err) if comm.distributed else [err]
+        if any(errors):
+            self.close()
+            raise_for(errors, f"opening the local tier in {self.base}")
 
     # -- saving -----------------------------------------------------------------------------
     def save(

@@ -68,6 +68,8 @@ class CheckpointManager:
     With ``async_save`` (the default) :meth:`save` returns once the state is staged in host
     memory; the returned handle completes after the commit *and* the coordinator's pointer
     update and retention.
+    ``run_id``: with a ``local_root``, names this run (else ``root`` does); local steps of
+    another run sharing the local root are never restored or deleted.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class CheckpointManager:
         local_keep_last: int = 2,
         drain: bool = False,
         direct_io: str | None = None,
+        run_id: str | None = None,
     ) -> None:
         for what, value in (
             ("keep_last", keep_last),
@@ -136,6 +139,8 @@ class CheckpointManager:
         if local_root is not None:
             self._local = LocalTier(
                 local_root,
+                persistent_root=self.root,
+                run_id=run_id,
                 process_group=process_group,
                 node_id=node_id,
                 replicas=replicas,
