@@ -99,7 +99,7 @@ def test_shared_dcp_metadata_is_bounded(tmp_path: Path) -> None:
     """3,000 keys sharing one entry of 20,000 chunks (one storage entry each): 60 M chunk
     visits from about 200 KB; and 200 keys over one record."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
     path = make_dcp(tmp_path / "chunks")
     meta = pickle.loads((path / ".metadata").read_bytes())
