@@ -247,7 +247,7 @@ def check_json_density(raw: bytes | bytearray | memoryview, where: str) -> None:
     if opened > limit:
         raise CorruptCheckpointError(
             f"{where}: opens {opened} JSON lists or objects in {len(data)} bytes, more than the "
-            f"{limit} a manifest needs; parsing it would cost about 25 times its size, so it "
+            f"{limit} allowed; parsing it would cost about 25 times its size, so it "
             "is refused as corrupt or hostile"
         )
 

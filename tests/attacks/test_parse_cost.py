@@ -42,6 +42,25 @@ def test_dense_containers_are_refused_before_parsing(tmp_path: Path) -> None:
     assert "JSON lists or objects" in results[N_READERS]["message"]
 
 
+def test_dense_megatron_json_is_refused(tmp_path: Path) -> None:
+    """Megatron-Core's ``metadata.json`` and ``integrity.json`` go through the same bound."""
+    from .foreign import FOREIGN, make_dcp
+
+    filler = ",".join(["[]"] * (SIZE // 3))
+    for name in ("metadata.json", "integrity.json"):
+        path = make_dcp(tmp_path / name, megatron=True)
+        (path / name).write_text(f'{{"sharded_backend": "torch_dist", "x": [{filler}]}}')
+    code = (
+        FOREIGN
+        + f"""
+read_foreign({str(tmp_path / "metadata.json")!r}, "metadata.json: ")
+from shardsafe.convert import DcpSource
+attempt("integrity.json", lambda: DcpSource({str(tmp_path / "integrity.json")!r}).verify_integrity())
+"""
+    )
+    assert_refused(run_calls(code, tmp_path / "outside"), 2, match="JSON lists or objects")
+
+
 def test_real_manifests_pass_the_bound(tmp_path: Path) -> None:
     """A manifest of 40,000 pieces laid out as sharded saves write them (2-d offsets and
     shapes, one checksum each), about 9 MB, loads; so do small ones."""

@@ -21,6 +21,7 @@ from typing import IO, Any
 import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError
+from ..format import check_json_density
 from ..geometry import Box, LayoutTooFragmentedError, find_overlap, first_uncovered
 from ..storage.local import open_in, read_checked
 from .errors import UnsupportedFormatError
@@ -96,8 +97,10 @@ def _read_in(root: Path, name: str, limit: int = MAX_METADATA_BYTES) -> bytes:
 
 
 def _json_in(root: Path, name: str) -> Any:
+    raw = _read_in(root, name)
+    check_json_density(raw, str(root / name))  # the manifest's bound on parsing cost
     try:
-        return json.loads(_read_in(root, name))
+        return json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{root / name}: not valid JSON ({str(e)[:200]})") from None
 
