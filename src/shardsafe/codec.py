@@ -247,15 +247,17 @@ def decode(node: Any, fetch: Callable[[str], bytes | memoryview], where: str = "
             return argparse.Namespace(**d)
         if tag == "$torch_save":
             pickled_bytes = bytes(fetch(_field(body, "blob", str, where)))
-            check_torch_archive(io.BytesIO(pickled_bytes), len(pickled_bytes), where)
+            sizes = check_torch_archive(io.BytesIO(pickled_bytes), len(pickled_bytes), where)
             try:
-                return torch.load(io.BytesIO(pickled_bytes), weights_only=True, map_location="cpu")
+                value = torch.load(io.BytesIO(pickled_bytes), weights_only=True, map_location="cpu")
             except pickle.UnpicklingError as e:
                 raise UnsafeObjectError(
                     f"{where}: refused to load a stored {body.get('type')!r}: {_refusal(e)}"
                 ) from None
             except Exception as e:
                 raise bad(f"cannot read a stored {body.get('type')!r}: {e}") from None
+            check_loaded_tree(value, sizes, f"{where}: a stored {str(body.get('type'))[:80]!r}")
+            return value
         raise bad(f"unknown tag {tag!r}")
 
     try:
@@ -286,9 +288,20 @@ def _refusal(e: Exception) -> str:
     )
 
 
+@dataclass(frozen=True)
+class ArchiveSizes:
+    """What a ``torch.save`` archive holds, to bound what loading it may describe."""
+
+    pickle_bytes: int
+    """Bytes of its pickles (``data.pkl``): the walk budget of the value they build."""
+    storage_bytes: int
+    """Bytes of its storage records (the whole file for a legacy one): its tensors' storages
+    together hold at most this much."""
+
+
 def check_torch_archive(
     file: IO[bytes], size: int, where: str, *, allow_legacy: bool = False
-) -> None:
+) -> ArchiveSizes:
     """Refuse a ``torch.save`` archive that could inflate beyond its ``size`` bytes when loaded.
 
     ``torch.save`` stores every record uncompressed; a deflated record (a decompression
@@ -296,11 +309,12 @@ def check_torch_archive(
     archive whose records claim more bytes than the archive holds. Legacy (non-zip)
     ``torch.save`` files are refused unless ``allow_legacy``: their storages are sized by
     the pickle (torch then reads them from the file, so a short file fails the load).
+    Returns the sizes :func:`check_loaded_tree` bounds the loaded value by.
     """
     head = file.read(4)
     file.seek(0)
     if allow_legacy and head[:1] == b"\x80":  # a legacy pickle stream: no archive to inflate
-        return
+        return ArchiveSizes(size, size)
     try:
         with zipfile.ZipFile(file) as zf:
             infos = zf.infolist()
@@ -308,7 +322,7 @@ def check_torch_archive(
         raise CorruptCheckpointError(
             f"{where}: refused: not a torch.save zip archive ({type(e).__name__}: {str(e)[:200]})"
         ) from None
-    total = 0
+    total = storages = 0
     pickles = []
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
@@ -320,6 +334,8 @@ def check_torch_archive(
         total += info.file_size
         if info.filename.endswith("/data.pkl") or info.filename == "data.pkl":
             pickles.append(info)
+        elif _STORAGE_RECORD.search(info.filename):
+            storages += info.file_size
     if total > size:
         raise CorruptCheckpointError(
             f"{where}: records claim {total} bytes, more than the archive's {size}; it is corrupt"
@@ -328,6 +344,126 @@ def check_torch_archive(
         with zipfile.ZipFile(file) as zf:
             scan_pickle(zf.read(info), f"{where}: {info.filename[:100]}", _DISTRIBUTED)
     file.seek(0)
+    return ArchiveSizes(sum(info.file_size for info in pickles), storages)
+
+
+_STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
+"""The records ``torch.save`` writes each storage's bytes to."""
+MAX_WALK_PER_PICKLE_BYTE = 64
+"""A loaded value, walked path by path, costs at most this many steps per byte of its pickle
+(plus :data:`MIN_WALK`)."""
+MIN_WALK = 1 << 22
+MAX_TENSOR_SHARING = 8
+"""The tensors of a loaded value, counted at every place they appear, describe at most this
+many times the bytes of its storage records (tied weights appear two to four times)."""
+
+
+def check_loaded_tree(value: Any, sizes: ArchiveSizes, where: str) -> None:
+    """Refuse a value from an untrusted pickle whose path-by-path walk would cost more than
+    its bytes on disk allow.
+
+    A pickle's memo lets a few bytes refer to one container many times: 40 nested lists,
+    each holding the next one twice, take 1.5 KB and have 2**40 paths, which every consumer
+    of nested state (flattening, restoring into a template, printing, comparing) walks one
+    by one. This walk visits each distinct container once (a visited set) and computes what
+    the path-by-path walks will cost: the total length of all paths must stay within
+    :data:`MAX_WALK_PER_PICKLE_BYTE` steps per pickle byte (plus :data:`MIN_WALK`), and a
+    container holding itself is refused. Shared small values (repeated strings, tuples in an
+    ``argparse.Namespace``) cost little and pass.
+
+    Tensors: each must lie in its storage without repeating bytes (``numel * itemsize`` at
+    most the storage's bytes; a stride-0 ``zeros(1).expand(n)`` describes ``n`` elements
+    from one), distinct storages together hold at most the archive's storage records, and
+    all tensors counted at every place they appear at most :data:`MAX_TENSOR_SHARING` times
+    that.
+    """
+    budget = MAX_WALK_PER_PICKLE_BYTE * sizes.pickle_bytes + MIN_WALK
+    tensor_budget = MAX_TENSOR_SHARING * sizes.storage_bytes
+    storages: dict[int, int] = {}
+    tensors: dict[int, int] = {}
+
+    def tensor_cost(t: torch.Tensor) -> int:
+        cost = tensors.get(id(t))
+        if cost is not None:
+            return cost
+        try:
+            if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
+                cost = 0  # not dense data: the readers that take tensors refuse these
+            else:
+                cost = t.numel() * t.element_size()
+                storage = t.untyped_storage()
+                held = storage.nbytes()
+                if cost > held:
+                    raise CorruptCheckpointError(
+                        f"{where}: a tensor of shape {list(t.shape)[:8]} and strides "
+                        f"{list(t.stride())[:8]} describes {cost} bytes but its storage holds "
+                        f"{held}; a stored tensor must not repeat its storage's bytes "
+                        "(a stride-0 or overlapping view); refused"
+                    )
+                storages[storage.data_ptr()] = max(held, storages.get(storage.data_ptr(), 0))
+        except RuntimeError:  # a layout without plain storage: no dense bytes to count
+            cost = 0
+        tensors[id(t)] = cost
+        return cost
+
+    def children(x: Any) -> Any:
+        if isinstance(x, dict):
+            return [*x.keys(), *x.values()]
+        if isinstance(x, (list, tuple, set, frozenset)):
+            return x
+        if isinstance(x, argparse.Namespace):
+            return list(vars(x).values())
+        return None
+
+    # Per container: (paths in it, total length of those paths, tensor bytes along them).
+    done: dict[int, tuple[int, int, int]] = {}
+    walking: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        node, leaving = stack.pop()
+        kids = children(node)
+        if kids is None:
+            continue
+        key = id(node)
+        if not leaving:
+            if key in done:
+                continue
+            if key in walking:
+                raise CorruptCheckpointError(
+                    f"{where}: a {type(node).__name__} contains itself; refused"
+                )
+            walking.add(key)
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in done and children(k) is not None)
+            continue
+        walking.discard(key)
+        paths, length, nbytes = 1, 0, 0
+        for k in kids:
+            sub = done.get(id(k))
+            if sub is None:
+                sub = (1, 0, tensor_cost(k) if isinstance(k, torch.Tensor) else 0)
+            paths += sub[0]
+            length += sub[1] + sub[0]
+            nbytes += sub[2]
+        if length > budget:
+            raise CorruptCheckpointError(
+                f"{where}: the value refers to its parts so often that walking it would take "
+                f"more than {budget} steps for {sizes.pickle_bytes} bytes of pickle (shared "
+                "references); refused as hostile"
+            )
+        if nbytes > tensor_budget:
+            raise CorruptCheckpointError(
+                f"{where}: its tensors, counted where they appear, describe {nbytes} bytes, more "
+                f"than {MAX_TENSOR_SHARING} times the {sizes.storage_bytes} bytes stored; refused"
+            )
+        done[key] = (paths, length, nbytes)
+    if isinstance(value, torch.Tensor) and tensor_cost(value) > tensor_budget:
+        raise CorruptCheckpointError(f"{where}: the tensor describes more bytes than are stored")
+    if sum(storages.values()) > sizes.storage_bytes:
+        raise CorruptCheckpointError(
+            f"{where}: its tensors' storages hold {sum(storages.values())} bytes, more than the "
+            f"{sizes.storage_bytes} bytes of storage records; refused"
+        )
 
 
 _DISTRIBUTED = ("torch.distributed",)

@@ -216,6 +216,7 @@ class Manifest:
 
     @staticmethod
     def loads(raw: bytes, where: str = MANIFEST_NAME) -> Manifest:
+        check_json_density(raw, where)
         try:
             obj = json.loads(raw)
         except (ValueError, RecursionError) as e:  # ValueError: also too many digits in a number
@@ -227,6 +228,28 @@ class Manifest:
     @staticmethod
     def from_json(obj: Any, where: str = MANIFEST_NAME) -> Manifest:
         return _Parser(where).manifest(obj)
+
+
+MAX_CONTAINERS_PER_BYTE = 1 / 16
+"""JSON containers (``[``, ``{``) a manifest may open per byte, plus :data:`MIN_CONTAINERS`.
+Each costs Python about 64 bytes for its 2 or 3 bytes of text (``[],`` parsed 25 times its
+size); real manifests open one per 40 bytes (a piece's object and its three lists)."""
+MIN_CONTAINERS = 1 << 12
+
+
+def check_json_density(raw: bytes | bytearray | memoryview, where: str) -> None:
+    """Refuse JSON text that opens more containers than :data:`MAX_CONTAINERS_PER_BYTE`
+    allows, before parsing it: this bounds what parsing may allocate to about 16 times the
+    text's size (a list of two-character strings, the densest scalars, costs 15.5 times)."""
+    data = bytes(raw)
+    opened = data.count(b"[") + data.count(b"{")  # brackets inside strings count too: harmless
+    limit = int(len(data) * MAX_CONTAINERS_PER_BYTE) + MIN_CONTAINERS
+    if opened > limit:
+        raise CorruptCheckpointError(
+            f"{where}: opens {opened} JSON lists or objects in {len(data)} bytes, more than the "
+            f"{limit} allowed; parsing it would cost about 25 times its size, so it "
+            "is refused as corrupt or hostile"
+        )
 
 
 class _Parser:

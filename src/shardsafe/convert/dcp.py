@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from typing import IO, Any
 import torch
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError
+from ..format import check_json_density
 from ..geometry import Box, LayoutTooFragmentedError, find_overlap, first_uncovered
 from ..storage.local import open_in, read_checked
 from .errors import UnsupportedFormatError
@@ -37,6 +39,53 @@ MAX_METADATA_BYTES = 1 << 30
 """``.metadata``, ``metadata.json`` and ``integrity.json`` larger than this are refused unread."""
 MAX_INFLATION = 64
 """A record decoded through stream transforms may grow to this many times its stored bytes."""
+CHUNKS_PER_BYTE = 1 / 16
+"""A ``.metadata`` file may list at most this many chunks per byte (counted key by key, so a
+chunk list shared by many keys counts for each), plus :data:`MIN_CHUNKS`. DCP writes about
+120 bytes per chunk (the chunk and its storage entry)."""
+MIN_CHUNKS = 1 << 16
+
+
+def read_metadata(
+    root: str | os.PathLike[str], name: str = METADATA_FILE, *, trust: bool = False
+) -> Any:
+    """The DCP ``Metadata`` in ``root/name``, read the one way shardsafe reads it.
+
+    Through the checked opener (a regular file inside ``root``, at most 1 GiB), the
+    restricted unpickler (DCP's metadata classes only), with its two mappings present and
+    the work of indexing it bounded by its size: a pickle's memo lets one metadata object
+    with C chunks stand for N keys at the cost of N references, so the chunks listed over
+    all keys may number at most :data:`CHUNKS_PER_BYTE` per byte. :class:`DcpSource` reads
+    its metadata here, and so should a ``StorageReader.read_metadata``.
+    """
+    root = Path(root)
+    file = root / name
+    data = _read_in(root, name)
+    metadata = load_metadata_pickle(data, str(file), trust=trust)
+    entries = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise CorruptCheckpointError(
+            f"{file}: does not hold DCP metadata (got {type(metadata).__name__})"
+        )
+    budget = int(len(data) * CHUNKS_PER_BYTE) + MIN_CHUNKS
+    listed = 0
+    for key, meta in entries.items():
+        chunks = getattr(meta, "chunks", None)
+        if chunks is None:
+            continue
+        try:
+            listed += len(chunks)
+        except TypeError:
+            raise CorruptCheckpointError(
+                f"{file}: {str(key)[:80]!r}: chunks is not a list"
+            ) from None
+        if listed > budget:
+            raise CorruptCheckpointError(
+                f"{file}: lists more than {budget} chunks over its keys for {len(data)} bytes "
+                "(chunk lists shared between keys); refused as hostile"
+            )
+    return metadata
 
 
 def _read_in(root: Path, name: str, limit: int = MAX_METADATA_BYTES) -> bytes:
@@ -48,8 +97,10 @@ def _read_in(root: Path, name: str, limit: int = MAX_METADATA_BYTES) -> bytes:
 
 
 def _json_in(root: Path, name: str) -> Any:
+    raw = _read_in(root, name)
+    check_json_density(raw, str(root / name))  # the manifest's bound on parsing cost
     try:
-        return json.loads(_read_in(root, name))
+        return json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{root / name}: not valid JSON ({str(e)[:200]})") from None
 
@@ -152,6 +203,7 @@ class DcpSource:
                 self._index(file)
             except RecursionError:  # values nested too deep even to describe
                 raise CorruptCheckpointError(f"{file}: metadata nested too deeply") from None
+        self._check_extents()
 
     # -- TensorSource -------------------------------------------------------------------------
 
@@ -281,14 +333,8 @@ class DcpSource:
         return [single] if _present(single) else _rank_metadata_files(self.path)
 
     def _index(self, file: Path) -> None:
-        data = _read_in(self.path, file.name)
-        metadata = load_metadata_pickle(data, str(file), trust=self.trust)
-        entries = getattr(metadata, "state_dict_metadata", None)
-        storage = getattr(metadata, "storage_data", None)
-        if not isinstance(entries, dict) or not isinstance(storage, dict):
-            raise CorruptCheckpointError(
-                f"{file}: does not hold DCP metadata (got {type(metadata).__name__})"
-            )
+        metadata = read_metadata(self.path, file.name, trust=self.trust)
+        entries, storage = metadata.state_dict_metadata, metadata.storage_data
         where: dict[tuple[str, Shape | None], Any] = {}
         try:
             for index, info in storage.items():
@@ -357,6 +403,30 @@ class DcpSource:
                     f"{file}: chunk of {key!r} at offset {offsets} has no storage entry"
                 )
             entry.chunks.append(_Chunk(offsets, sizes, info))
+
+    def _check_extents(self) -> None:
+        """No two items may read the same bytes: DCP gives every chunk and object its own
+        record, so keys sharing one would only multiply what a small checkpoint describes
+        (N keys over one 1 GiB record read N GiB). Malformed entries are left to the read."""
+        extents: list[tuple[str, int, int, str]] = []
+        items = [(k, c.info) for k, e in self._tensors.items() for c in e.chunks]
+        items += list(self._objects.items())
+        for key, info in items:
+            try:
+                relative = info.relative_path
+                offset, length = _natural(info.offset), _natural(info.length)
+            except (AttributeError, TypeError, ValueError):
+                continue
+            if isinstance(relative, str):
+                extents.append((relative, offset, length, key))
+        extents.sort()
+        for a, b in itertools.pairwise(extents):
+            if a[0] == b[0] and a[1] + a[2] > b[1]:
+                raise CorruptCheckpointError(
+                    f"{self.path / a[0]}: the records of {a[3]!r} and {b[3]!r} share bytes "
+                    f"[{b[1]}, {min(a[1] + a[2], b[1] + b[2])}); DCP never writes that, so the "
+                    "metadata is corrupt or hostile"
+                )
 
     def _entry(self, key: str) -> _TensorEntry:
         try:

@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import torch
 
-from ..codec import check_torch_archive, scan_pickle
+from ..codec import check_loaded_tree, check_torch_archive, scan_pickle
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.local import open_regular
 from .errors import UnsafePickleError
@@ -149,13 +149,17 @@ def load_torch_payload(
             return torch.load(file, map_location="cpu", weights_only=False, mmap=mmap)
         if isinstance(file, str):
             with open_regular(file) as f:
-                check_torch_archive(f, os.fstat(f.fileno()).st_size, where, allow_legacy=True)
+                sizes = check_torch_archive(
+                    f, os.fstat(f.fileno()).st_size, where, allow_legacy=True
+                )
         else:
             size = file.seek(0, os.SEEK_END)
             file.seek(0)
-            check_torch_archive(file, size, where, allow_legacy=True)
+            sizes = check_torch_archive(file, size, where, allow_legacy=True)
         with torch.serialization.safe_globals(_PAYLOAD_EXTRAS):
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+            value = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+        check_loaded_tree(value, sizes, where)  # shared references, repeated bytes
+        return value
     except CheckpointError:
         raise
     except pickle.UnpicklingError as e:
