@@ -286,3 +286,16 @@ def test_a_second_save_into_the_same_path_is_refused_unless_overwrite(tmp_path: 
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert "w" in manifest["tensors"]
     assert os.listdir(tmp_path) == ["c"]
+
+
+def test_shardsafe_load_reads_a_dcp_filesystemwriter_directory(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    dcp.save({"model": model.state_dict(), "step": 4}, checkpoint_id=str(tmp_path / "fs"))
+    fresh = torch.nn.Linear(3, 2)
+    out = shardsafe.load({"model": fresh.state_dict(), "step": 0}, tmp_path / "fs")
+    assert out["step"] == 4 and torch.equal(fresh.weight, model.weight)
+    with pytest.raises(shardsafe.MissingKeyError, match="DCP checkpoint"):
+        shardsafe.load({"model": {"nope": torch.zeros(2)}}, tmp_path / "fs")
+    # the tools that read only our format say what it is and how to convert it
+    with pytest.raises(shardsafe.CheckpointNotFoundError, match=r"PyTorch DCP checkpoint.*convert"):
+        shardsafe.CheckpointReader(tmp_path / "fs")

@@ -258,7 +258,9 @@ class Reader(StorageReader):
         # decoded now, so a hostile common state or object raises here as itself (DCP turns an
         # error of read_metadata into an AssertionError)
         self._values = non_tensor_items(self.reader)
-        self._metadata = metadata_from_manifest(self.reader.manifest, self._values)
+        self._metadata = metadata_from_manifest(
+            self.reader.manifest, self._values, self.reader.storage.describe(MANIFEST_NAME)
+        )
         self._metadata.storage_meta = StorageMeta(checkpoint_id=self.path)
 
     # -- StorageReader -------------------------------------------------------------------------
@@ -335,12 +337,16 @@ class Reader(StorageReader):
         return os.path.isfile(os.path.join(os.fspath(checkpoint_id), MANIFEST_NAME))
 
 
-def metadata_from_manifest(manifest: Manifest, non_tensor: dict[str, Any]) -> Metadata:
+def metadata_from_manifest(
+    manifest: Manifest, non_tensor: dict[str, Any], where: str = MANIFEST_NAME
+) -> Metadata:
     """DCP's ``Metadata`` of a checkpoint: each tensor with every stored box as a chunk (flat
     ranges cut into boxes), each non-tensor value as a bytes item; a tensor among them (from
-    the common state of an old checkpoint) as one whole chunk."""
+    the common state of an old checkpoint) as one whole chunk. Every tensor's pieces must tile
+    it exactly: DCP's planner reads only where chunks are, and would leave a hole unfilled."""
     entries: dict[str, Any] = {}
     for key, entry in manifest.tensors.items():
+        entry.check_tiling(key, where)
         chunks = [
             ChunkStorageMetadata(offsets=torch.Size(box.offset), sizes=torch.Size(box.shape))
             for piece in entry.pieces
