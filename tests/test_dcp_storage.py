@@ -122,7 +122,11 @@ def test_writer_at_three_ranks_reader_at_two_and_one(tmp_path: Path) -> None:
     assert main(["verify", str(tmp_path / "ours")]) == 0
     assert main(["inspect", str(tmp_path / "ours"), "--json"]) == 0
     plain = shardsafe.load_plain_tensors(tmp_path / "ours")
-    assert torch.equal(plain["model.w"], _full_w())
+    assert torch.equal(plain["model.w"], _full_w()) and plain["step"] == 5
+    template = {"model": {"w": torch.zeros(7, 5), "b": torch.zeros(4, dtype=torch.int64)}}
+    loaded = shardsafe.load({**template, "step": 0, "cfg": {"lr": 0.0}}, tmp_path / "ours")
+    assert loaded["step"] == 5 and loaded["cfg"] == {"lr": 0.25, "names": ["a", "b"]}
+    assert torch.equal(template["model"]["w"], _full_w())
     assert main(["convert", str(tmp_path / "ours"), str(tmp_path / "one.pt"), "--to", "torch"]) == 0
     assert torch.equal(torch.load(tmp_path / "one.pt")["model.w"], _full_w())
 

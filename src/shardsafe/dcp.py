@@ -5,9 +5,9 @@ DCP keeps its planner (flattening, deduplication of replicas, resharding on load
 translates and hands over to shardsafe's own machinery, never a second protocol or format:
 
 * :class:`Writer` turns each rank's ``WriteItem``s into :class:`~shardsafe.ShardedTensor` boxes
-  (tensor chunks at their global offsets) and :class:`~shardsafe.ShardedObject`s (DCP's non-tensor
-  items), and runs one :meth:`shardsafe.Saver.save` with them inside ``write_data``, where all
-  ranks are. Data files, per-block checksums, the manifest, the lease, the atomic publish and the
+  (tensor chunks at their global offsets) and the common state (DCP's non-tensor items,
+  gathered from the ranks DCP planned them on and nested again by the planner's mapping), and
+  runs one :meth:`shardsafe.Saver.save` with them inside ``write_data``, where all ranks are. Data files, per-block checksums, the manifest, the lease, the atomic publish and the
   agreement on every rank's error are the Saver's. The commit happens there rather than in
   ``finish`` (called on the coordinator only, after DCP's gather): the Saver's commit watches the
   other ranks' heartbeats and names a dead one, and cleans up after a failed write; ``finish``
@@ -28,6 +28,7 @@ those values re-serialised by ``torch.save`` from decoded data, never bytes from
 
 from __future__ import annotations
 
+import base64
 import copy
 import io
 import os
@@ -59,6 +60,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from .dist import get_comm
 from .dtypes import dtype_from_name
 from .engine import DEFAULT_MAX_BUFFER
 from .errors import (
@@ -72,12 +74,12 @@ from .format import MANIFEST_NAME, Manifest
 from .geometry import Box
 from .reader import CheckpointReader
 from .saver import Saver, SaveStats
-from .sharding import ShardedObject, ShardedTensor, TensorRef
+from .sharding import ShardedTensor, TensorRef, set_at
 from .staging import StagingPool
 
 __all__ = ["Reader", "Writer", "metadata_from_manifest"]
 
-_ONE_CELL = ((1,), (0,))  # the grid of a DCP non-tensor item stored as a ShardedObject
+_ONE_CELL = ((1,), (0,))  # a ShardedObject that is the only cell of its grid
 
 
 class Writer(StorageWriter):
@@ -146,16 +148,41 @@ class Writer(StorageWriter):
         return StorageMeta(checkpoint_id=self.path, save_id=uuid.uuid4().hex)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """This rank's items as a shardsafe state dict, saved and committed by the Saver."""
+        """This rank's items as a shardsafe state dict, saved and committed by the Saver.
+
+        Tensor chunks become ShardedTensors at their global offsets. Non-tensor items, each
+        planned on one rank, are gathered so that every rank holds all of them, decoded and
+        nested again by the planner's mapping: they are the checkpoint's common state, which
+        ``shardsafe.load`` merges into a template as it does for any checkpoint."""
         try:
             state: dict[str, Any] = {}
+            pieces: list[ShardedTensor] = []
+            mine: list[list[str]] = []
             results = []
-            for n, item in enumerate(plan.items):
-                value, nbytes = _to_shardsafe(item, planner.resolve_data(item))
-                state[str(n)] = value
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                    mine.append([item.index.fqn, base64.b64encode(raw).decode()])
+                    nbytes = len(raw)
+                else:
+                    st = _tensor_piece(item, data)
+                    pieces.append(st)
+                    nbytes = st.numel * st.dtype.itemsize
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None)
                 )
+            comm = get_comm(self.process_group)
+            comm.arrive("dcp non-tensor items", self.saver.timeout)
+            paths = getattr(planner, "mappings", None) or {}
+            for fqn, raw in sorted(pair for rank in comm.all_gather(mine) for pair in rank):
+                value = _decode(fqn, base64.b64decode(raw))
+                state = set_at(state, tuple(paths.get(fqn, (fqn,))), value)
+            for n, st in enumerate(pieces):  # a sharded entry leaves no trace in the common state
+                key = f"\0dcp{n}"
+                if key in state:
+                    raise ValidationError(f"{self.path}: a state dict key {key!r} is reserved")
+                state[key] = st
             self.stats = self.saver.save(
                 state,
                 self.path,
@@ -408,12 +435,9 @@ def non_tensor_items(reader: CheckpointReader) -> dict[str, Any]:
 # -- write side helpers ------------------------------------------------------------------------
 
 
-def _to_shardsafe(item: WriteItem, data: Any) -> tuple[Any, int]:
-    """One WriteItem as a ShardedTensor (its chunk, at its global offset) or a ShardedObject."""
+def _tensor_piece(item: WriteItem, data: Any) -> ShardedTensor:
+    """One tensor WriteItem as a ShardedTensor: its chunk, at its global offset."""
     fqn = item.index.fqn
-    if item.type == WriteItemType.BYTE_IO:
-        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-        return ShardedObject(fqn, _decode(fqn, raw), *_ONE_CELL), len(raw)
     if not isinstance(data, torch.Tensor) or item.tensor_data is None:
         raise ValidationError(f"{fqn!r}: DCP planned a tensor item but resolved a {type(data)}")
     tensor = data.detach()
@@ -423,10 +447,9 @@ def _to_shardsafe(item: WriteItem, data: Any) -> tuple[Any, int]:
             f"{fqn!r}: the planner resolved a tensor of shape {list(tensor.shape)} for a chunk "
             f"of shape {list(chunk.sizes)}"
         )
-    st = ShardedTensor.from_global_offset(
+    return ShardedTensor.from_global_offset(
         fqn, tensor, tuple(item.tensor_data.size), tuple(int(o) for o in chunk.offsets)
     )
-    return st, tensor.numel() * tensor.element_size()
 
 
 def _decode(fqn: str, raw: bytes) -> Any:
