@@ -303,3 +303,21 @@ def test_shardsafe_load_reads_a_dcp_filesystemwriter_directory(tmp_path: Path) -
     # the tools that read only our format say what it is and how to convert it
     with pytest.raises(shardsafe.CheckpointNotFoundError, match=r"PyTorch DCP checkpoint.*convert"):
         shardsafe.CheckpointReader(tmp_path / "fs")
+
+
+def test_reader_offers_flat_range_pieces_as_boxes(tmp_path: Path) -> None:
+    """A distributed optimizer's flat shards (ranges cutting rows) reach DCP as boxes."""
+    full = torch.arange(24.0).reshape(6, 4)
+    flat = full.reshape(-1)
+    pieces = {
+        f"p{a}": shardsafe.ShardedTensor.from_rank_offsets_flat(
+            "exp_avg", flat[a:b].clone(), (6, 4), flattened_range=slice(a, b)
+        )
+        for a, b in ((0, 10), (10, 24))
+    }
+    shardsafe.save(pieces, tmp_path / "flat")
+    chunks = Reader(tmp_path / "flat").read_metadata().state_dict_metadata["exp_avg"].chunks
+    assert len(chunks) > 2  # rows cut by the ranges come out as several boxes
+    into = {"exp_avg": torch.zeros(6, 4)}
+    dcp.load(into, storage_reader=Reader(tmp_path / "flat"))
+    assert torch.equal(into["exp_avg"], full)
