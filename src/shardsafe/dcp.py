@@ -7,7 +7,8 @@ translates and hands over to shardsafe's own machinery, never a second protocol 
 * :class:`Writer` turns each rank's ``WriteItem``s into :class:`~shardsafe.ShardedTensor` boxes
   (tensor chunks at their global offsets) and the common state (DCP's non-tensor items,
   gathered from the ranks DCP planned them on and nested again by the planner's mapping), and
-  runs one :meth:`shardsafe.Saver.save` with them inside ``write_data``, where all ranks are. Data files, per-block checksums, the manifest, the lease, the atomic publish and the
+  runs one :meth:`shardsafe.Saver.save` with them inside ``write_data``, where all ranks are.
+  Data files, per-block checksums, the manifest, the lease, the atomic publish and the
   agreement on every rank's error are the Saver's. The commit happens there rather than in
   ``finish`` (called on the coordinator only, after DCP's gather): the Saver's commit watches the
   other ranks' heartbeats and names a dead one, and cleans up after a failed write; ``finish``
@@ -20,7 +21,8 @@ translates and hands over to shardsafe's own machinery, never a second protocol 
   (pinned for CUDA tensors), and the background save writes from there.
 
 Non-tensor state: DCP hands it over pickled with ``torch.save``. The Writer decodes it with
-``torch.load(weights_only=True)`` and stores the value, so our load never unpickles; a value that
+``torch.load(weights_only=True)`` and stores the value (common state, encoded by our codec), so
+our load never unpickles DCP's bytes; a value that
 does not load that way is refused with its key (allow-list its class with
 ``torch.serialization.add_safe_globals``, or make it plain data). The Reader gives DCP's planner
 those values re-serialised by ``torch.save`` from decoded data, never bytes from the checkpoint.
