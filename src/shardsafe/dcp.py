@@ -22,9 +22,8 @@ translates and hands over to shardsafe's own machinery, never a second protocol 
 
 Non-tensor state: DCP hands it over pickled with ``torch.save``. The Writer decodes it with
 ``torch.load(weights_only=True)`` and stores the value (common state, encoded by our codec), so
-our load never unpickles DCP's bytes; a value that
-does not load that way is refused with its key (allow-list its class with
-``torch.serialization.add_safe_globals``, or make it plain data). The Reader gives DCP's planner
+our load never unpickles DCP's bytes; a value that does not load that way is refused with its
+key (allow-list its class with ``torch.serialization.add_safe_globals``, or make it plain data). The Reader gives DCP's planner
 those values re-serialised by ``torch.save`` from decoded data, never bytes from the checkpoint.
 """
 
