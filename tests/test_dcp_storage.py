@@ -321,3 +321,20 @@ def test_reader_offers_flat_range_pieces_as_boxes(tmp_path: Path) -> None:
     into = {"exp_avg": torch.zeros(6, 4)}
     dcp.load(into, storage_reader=Reader(tmp_path / "flat"))
     assert torch.equal(into["exp_avg"], full)
+
+
+def _one_rank_unsafe(rank: int, world: int, root: str) -> str:
+    sd: dict[str, Any] = {"w": torch.ones(4) * rank}
+    if rank == 1:
+        sd["extra"] = _Custom()  # planned on rank 1 only
+    try:
+        dcp.save(sd, storage_writer=Writer(f"{root}/c"))
+    except CheckpointException as e:
+        return type(_cause(e)).__name__
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path: Path) -> None:
+    assert run_ranks(_one_rank_unsafe, 2, str(tmp_path), timeout=100) == ["UnsafeObjectError"] * 2
+    assert not (tmp_path / "c").exists()

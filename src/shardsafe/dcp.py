@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .dist import get_comm
+from .dist import get_comm, outcome, raise_for
 from .dtypes import dtype_from_name
 from .engine import DEFAULT_MAX_BUFFER
 from .errors import (
@@ -156,27 +156,16 @@ class Writer(StorageWriter):
         nested again by the planner's mapping: they are the checkpoint's common state, which
         ``shardsafe.load`` merges into a template as it does for any checkpoint."""
         try:
-            state: dict[str, Any] = {}
-            pieces: list[ShardedTensor] = []
-            mine: list[list[str]] = []
-            results = []
-            for item in plan.items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                    mine.append([item.index.fqn, base64.b64encode(raw).decode()])
-                    nbytes = len(raw)
-                else:
-                    st = _tensor_piece(item, data)
-                    pieces.append(st)
-                    nbytes = st.numel * st.dtype.itemsize
-                results.append(
-                    WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None)
-                )
+            local, err = outcome(lambda: _resolve(plan, planner))
+            pieces, mine, results = local if local is not None else ([], [], [])
             comm = get_comm(self.process_group)
+            # every rank's failure to resolve its items is raised on every rank, before saving
             comm.arrive("dcp non-tensor items", self.saver.timeout)
+            records = comm.all_gather({"error": err, "items": mine})
+            raise_for([r["error"] for r in records], "dcp.save (resolving the planned items)")
             paths = getattr(planner, "mappings", None) or {}
-            for fqn, raw in sorted(pair for rank in comm.all_gather(mine) for pair in rank):
+            state: dict[str, Any] = {}
+            for fqn, raw in sorted(pair for r in records for pair in r["items"]):
                 value = _decode(fqn, base64.b64decode(raw))
                 state = set_at(state, tuple(paths.get(fqn, (fqn,))), value)
             for n, st in enumerate(pieces):  # a sharded entry leaves no trace in the common state
@@ -434,6 +423,28 @@ def non_tensor_items(reader: CheckpointReader) -> dict[str, Any]:
 
 
 # -- write side helpers ------------------------------------------------------------------------
+
+
+def _resolve(
+    plan: SavePlan, planner: SavePlanner
+) -> tuple[list[ShardedTensor], list[list[str]], list[WriteResult]]:
+    """This rank's tensor pieces, its non-tensor items as ``[fqn, base64 of DCP's bytes]``,
+    and DCP's write results for them."""
+    pieces: list[ShardedTensor] = []
+    items: list[list[str]] = []
+    results = []
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            items.append([item.index.fqn, base64.b64encode(raw).decode()])
+            nbytes = len(raw)
+        else:
+            st = _tensor_piece(item, data)
+            pieces.append(st)
+            nbytes = st.numel * st.dtype.itemsize
+        results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
+    return pieces, items, results
 
 
 def _tensor_piece(item: WriteItem, data: Any) -> ShardedTensor:
