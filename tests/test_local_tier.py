@@ -166,6 +166,14 @@ def test_persistent_and_local_steps_after_training(trained: Path) -> None:
     assert sorted(plain) == ["model.w", "optim.m", "step"], sorted(plain)
     assert torch.equal(plain["model.w"], w_ref) and torch.equal(plain["optim.m"], m_ref)
     exported.unlink()
+    # and for PyTorch DCP's load, through shardsafe.dcp.Reader
+    import torch.distributed.checkpoint as dcp
+
+    from shardsafe.dcp import Reader
+
+    into = {"model": {"w": torch.zeros_like(w_ref)}, "optim": {"m": torch.zeros_like(m_ref)}}
+    dcp.load({**into, "step": 0}, storage_reader=Reader(step), no_dist=True)
+    assert torch.equal(into["model"]["w"], w_ref) and torch.equal(into["optim"]["m"], m_ref)
 
 
 def test_lost_host_resumes_from_newest_local_step_in_new_layout(

@@ -390,6 +390,39 @@ def test_neuron_round_trip_resumes_training_exactly(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_neuron_accepts_every_keyword_of_nxd_save_checkpoint(tmp_path: Path) -> None:
+    """NxD's own call (the keywords of its developer guide and signature) runs unchanged."""
+    model, opt, sched = _training()
+    _step(model, opt, sched, torch.randn(8, 6))
+    neuron.save_checkpoint(
+        tmp_path,
+        tag="step_1",
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        user_content={"total_steps": 1},
+        num_workers=8,
+        use_xser=True,
+        num_kept_ckpts=2,
+        async_save=True,
+        zero1_optimizer=False,
+        use_zero1_dcp=False,
+        avoid_saving_lower_precision_weights=True,
+    )
+    model2, opt2, sched2 = _training(seed=7)
+    content = neuron.load_checkpoint(
+        tmp_path, model=model2, optimizer=opt2, scheduler=sched2, num_workers=4, strict=True
+    )
+    assert content == {"total_steps": 1} and _same(model, model2)
+    with pytest.raises(shardsafe.ValidationError, match="zero1_optimizer=True"):
+        neuron.save_checkpoint(tmp_path, "step_2", model=model, zero1_optimizer=True)
+    with pytest.raises(shardsafe.ValidationError, match="num_workers"):
+        neuron.save_checkpoint(tmp_path, "step_2", model=model, num_workers=0)
+    assert not (tmp_path / "step_2").exists()
+    neuron.finalize_checkpoint()
+
+
+@pytest.mark.timeout(60)
 def test_neuron_optimizer_alone_is_keyed_by_index(tmp_path: Path) -> None:
     x = torch.randn(8, 6)
     model, opt, sched = _training()

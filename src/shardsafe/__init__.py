@@ -18,6 +18,8 @@ from .errors import (
     ValidationError,
     call_each,
 )
+from .integrations.dcp_dir import is_dcp_dir as _is_dcp_dir
+from .integrations.dcp_dir import load_dcp_dir as _load_dcp_dir
 from .integrations.dtensor import dtensor_aware as _dtensor_aware
 from .integrations.megatron import is_torch_dist_dir as _is_torch_dist_dir
 from .integrations.megatron import load_torch_dist_dir as _load_torch_dist_dir
@@ -53,6 +55,7 @@ from .sharding import (
 register_state_dict_adapter(_dtensor_aware)  # a model.state_dict() holding DTensors just works
 register_state_dict_adapter(_megatron_aware)  # Megatron-Core's own sharded state dicts too
 register_foreign_loader(_is_torch_dist_dir, _load_torch_dist_dir)  # and its torch_dist directories
+register_foreign_loader(_is_dcp_dir, _load_dcp_dir)  # and PyTorch DCP's FileSystemWriter's
 
 
 def release() -> None:

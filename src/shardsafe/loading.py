@@ -134,6 +134,12 @@ def _not_found(loc: Location, storage: Storage) -> CheckpointNotFoundError:
                 f"{loc.url} has data files but no {MANIFEST_NAME}: a save into it never committed. "
                 "Load an earlier checkpoint; delete this directory to reclaim space"
             )
+        if storage.exists(".metadata"):
+            return CheckpointNotFoundError(
+                f"{loc.url} is a PyTorch DCP checkpoint, not a shardsafe one (no {MANIFEST_NAME}): "
+                "shardsafe.load reads it as it is; for the other tools, `shardsafe convert "
+                f"{loc.url} OUT --to shardsafe` makes a shardsafe checkpoint of it"
+            )
         return CheckpointNotFoundError(
             f"{loc.url} is not a shardsafe checkpoint (no {MANIFEST_NAME})"
         )

@@ -37,7 +37,7 @@ import torch
 
 from .directory import CheckpointDirectory
 from .dist import get_comm, outcome, raise_for
-from .errors import CheckpointError, call_each
+from .errors import CheckpointError, ValidationError, call_each
 from .loading import StrictHandling, load
 from .manager import CheckpointManager
 from .reader import CheckpointReader
@@ -153,8 +153,21 @@ class NeuronCheckpoints:
         async_save: bool = False,
         num_kept_ckpts: int | None = None,
         process_group: Any = None,
+        *,
+        num_workers: int = 8,
+        use_xser: bool = False,
+        zero1_optimizer: bool = False,
+        use_zero1_dcp: bool = False,
+        avoid_saving_lower_precision_weights: bool = False,
     ) -> AsyncSaveHandle | SaveStats:
         """See the module-level :func:`save_checkpoint`."""
+        _check_nxd_options(
+            num_workers,
+            use_xser,
+            zero1_optimizer,
+            use_zero1_dcp,
+            avoid_saving_lower_precision_weights,
+        )
         return _save_checkpoint(
             self.manager(checkpoint_dir, process_group),
             tag,
@@ -178,8 +191,10 @@ class NeuronCheckpoints:
         *,
         strict: bool = True,
         fallback: bool = True,
+        num_workers: int = 8,
     ) -> Any:
         """See the module-level :func:`load_checkpoint`."""
+        _check_num_workers(num_workers)
         return _load_checkpoint(
             self.manager(checkpoint_dir, process_group),
             tag,
@@ -430,12 +445,23 @@ def save_checkpoint(
     async_save: bool = False,
     num_kept_ckpts: int | None = None,
     process_group: Any = None,
+    *,
+    num_workers: int = 8,
+    use_xser: bool = False,
+    zero1_optimizer: bool = False,
+    use_zero1_dcp: bool = False,
+    avoid_saving_lower_precision_weights: bool = False,
 ) -> AsyncSaveHandle | SaveStats:
     """Save ``checkpoint_dir/tag``; every rank of ``process_group`` calls it.
 
     With ``async_save`` it returns once the state is staged in host memory (a later call,
     ``load_checkpoint`` or :func:`finalize_checkpoint` waits for it). ``num_kept_ckpts``
     (None or -1: all) deletes the oldest committed tags beyond that many, after the commit.
+
+    NeuronX Distributed's other keywords are accepted (:func:`_check_nxd_options` says what
+    each does here): ``num_workers`` (a positive int), ``use_xser`` and
+    ``avoid_saving_lower_precision_weights`` change nothing; ``zero1_optimizer`` and
+    ``use_zero1_dcp`` set to True are refused.
     """
     return DEFAULT.save_checkpoint(
         checkpoint_dir,
@@ -447,7 +473,52 @@ def save_checkpoint(
         async_save,
         num_kept_ckpts,
         process_group,
+        num_workers=num_workers,
+        use_xser=use_xser,
+        zero1_optimizer=zero1_optimizer,
+        use_zero1_dcp=use_zero1_dcp,
+        avoid_saving_lower_precision_weights=avoid_saving_lower_precision_weights,
     )
+
+
+def _check_num_workers(num_workers: int) -> None:
+    """NxD's ``num_workers`` bounds how many ranks of a host write (or read) at once, to cap
+    host memory. Here every rank writes its own share from a staging pool bounded by the
+    Saver's ``max_staging_bytes``, so it has no effect; it must still be a positive int."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValidationError(f"num_workers must be a positive int, got {num_workers!r}")
+
+
+def _check_nxd_options(
+    num_workers: int,
+    use_xser: bool,
+    zero1_optimizer: bool,
+    use_zero1_dcp: bool,
+    avoid_saving_lower_precision_weights: bool,
+) -> None:
+    """What NxD's keywords mean here. ``use_xser`` (torch-xla's one-file-per-tensor format):
+    the format is always shardsafe's, whose tensors are already stored one piece at a time.
+    ``avoid_saving_lower_precision_weights``: the model's weights are saved anyway (a load
+    fills the model from them; nothing is lost). ``zero1_optimizer``/``use_zero1_dcp``
+    describe per-rank ZeRO-1 optimizer partitions, which this API does not save: it stores
+    optimizer state in parameter space, the same on every rank; refused rather than saved
+    wrongly (an FSDP2/DTensor optimizer, or ShardedTensors with ``flattened_range`` through
+    ``shardsafe.save``, store sharded optimizer state)."""
+    _check_num_workers(num_workers)
+    for name, value in (
+        ("use_xser", use_xser),
+        ("avoid_saving_lower_precision_weights", avoid_saving_lower_precision_weights),
+    ):
+        if not isinstance(value, bool):
+            raise ValidationError(f"{name} must be a bool, got {value!r}")
+    for name, value in (("zero1_optimizer", zero1_optimizer), ("use_zero1_dcp", use_zero1_dcp)):
+        if value:
+            raise ValidationError(
+                f"{name}=True: shardsafe.neuron stores optimizer state in parameter space, the "
+                "same on every rank, not per-rank ZeRO-1 partitions; save a ZeRO-1 optimizer's "
+                "state as ShardedTensors with flattened_range through shardsafe.save, or use "
+                "FSDP2 (DTensor) state, which this API saves"
+            )
 
 
 def _save_checkpoint(
@@ -488,9 +559,11 @@ def load_checkpoint(
     *,
     strict: bool = True,
     fallback: bool = True,
+    num_workers: int = 8,
 ) -> Any:
     """Load ``checkpoint_dir/tag`` (default: the newest committed) into the given objects,
-    in place; returns the saved ``user_content`` (None if there was none).
+    in place; returns the saved ``user_content`` (None if there was none). ``num_workers``
+    (NxD's) has no effect: see :func:`_check_num_workers`.
 
     Every rank of ``process_group`` calls it; any number of ranks can load what any number
     saved. ``strict`` applies to the model's keys, as in ``Module.load_state_dict``. Without a
@@ -507,6 +580,7 @@ def load_checkpoint(
         process_group,
         strict=strict,
         fallback=fallback,
+        num_workers=num_workers,
     )
 
 

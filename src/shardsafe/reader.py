@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +18,14 @@ from .checksum import block_count
 from .codec import decode
 from .dtypes import dtype_from_name
 from .engine import DEFAULT_MAX_BUFFER, DataReader, default_threads, plan_reads, run_tasks
-from .errors import CheckpointError, CorruptCheckpointError, MissingKeyError
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleRequestError,
+    MissingKeyError,
+)
 from .format import MANIFEST_NAME, Manifest
-from .geometry import LayoutTooFragmentedError, find_overlap, first_uncovered, full_box
+from .geometry import Box, LayoutTooFragmentedError, find_overlap, first_uncovered, full_box
 from .loading import read_manifest
 from .sharding import ShardedObject, ShardedTensor, TensorRef
 
@@ -86,6 +91,45 @@ class CheckpointReader:
             run_tasks(reader, tasks, self.threads)
         return data
 
+    def read_regions(self, regions: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
+        """Fill each ``out`` with the region ``box`` (global coordinates) of tensor ``key``,
+        every block verified: any box of any stored layout, read by this process alone (what
+        a reader driven by another framework's planner, e.g. ``shardsafe.dcp``, needs)."""
+        tasks = []
+        tiled: set[str] = set()
+        with DataReader(self.storage, self.manifest.block_bytes, self.max_buffer) as reader:
+            for key, box, out in regions:
+                entry = self._entry(key)
+                if key not in tiled:
+                    entry.check_tiling(key, self._where)
+                    tiled.add(key)
+                dtype = dtype_from_name(entry.dtype, self._where)
+                if not box.within(tuple(entry.shape)) or tuple(out.shape) != box.shape:
+                    raise IncompatibleRequestError(
+                        f"{self.path}: tensor {key!r} has shape {list(entry.shape)}; the request "
+                        f"for the box at {list(box.offset)} of shape {list(box.shape)} into a "
+                        f"tensor of shape {list(out.shape)} does not fit it"
+                    )
+                if out.dtype != dtype:
+                    raise IncompatibleRequestError(
+                        f"{self.path}: tensor {key!r} is stored as {entry.dtype}, the request "
+                        f"asks for {out.dtype}; read the stored dtype and cast"
+                    )
+                part, covered = plan_reads(
+                    key,
+                    entry.pieces,
+                    [(box, out)],
+                    dtype,
+                    max(1, self.max_buffer // dtype.itemsize),
+                )
+                if covered != box.numel:
+                    raise CorruptCheckpointError(
+                        f"{self._where}: tensor {key!r}: pieces cover {covered} of the "
+                        f"{box.numel} elements requested"
+                    )
+                tasks.extend(part)
+            run_tasks(reader, tasks, self.threads)
+
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors one at a time, so memory stays bounded by the largest one."""
         for key in self.tensor_keys():
@@ -112,17 +156,20 @@ class CheckpointReader:
         with DataReader(self.storage, self.manifest.block_bytes) as reader:
             return decode(entry.value, self._fetch(reader), f"{self._where}: object {unique_key!r}")
 
-    def common(self, tensors: bool = False) -> Any:
+    def common(self, tensors: bool = False, refs: bool = False) -> Any:
         """The common (non-sharded) state saved by the coordinator.
 
         Plain tensor leaves of the saved state dict are stored as tensors: ``tensors=True``
-        puts each back in its place (read whole), otherwise they are left out as sharded
-        entries are (their keys are in :meth:`tensor_keys`).
+        puts each back in its place (read whole), ``refs=True`` leaves a
+        :class:`~shardsafe.sharding.TensorRef` naming it there, otherwise they are left out as
+        sharded entries are (their keys are in :meth:`tensor_keys`).
         """
         with DataReader(self.storage, self.manifest.block_bytes) as reader:
             value = decode(
                 self.manifest.common, self._fetch(reader), f"{self._where}: common state"
             )
+        if refs and not tensors:
+            return value if value is not None else {}
         value = _place_refs(value, self.read_tensor if tensors else None)
         return value if value is not None else {}
 

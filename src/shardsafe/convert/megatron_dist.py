@@ -1,4 +1,5 @@
-"""Megatron-Core ``torch_dist`` checkpoints loaded straight into any layout by ``shardsafe.load``.
+"""Megatron-Core ``torch_dist`` and PyTorch DCP checkpoints loaded straight into any layout by
+``shardsafe.load``.
 
 A run that used to save with ``megatron.core.dist_checkpointing`` keeps its old checkpoints:
 ``shardsafe.load(model_sd, "iter_0000100")`` reads them into the template's layout (other
@@ -34,17 +35,37 @@ def load_torch_dist(
     template: Any, path: str | os.PathLike[str], strict: StrictHandling, trust: bool = False
 ) -> Any:
     """This rank's part of ``load``: fill the template's pieces from a ``torch_dist`` directory."""
+    return _load(template, path, strict, trust, plain_tensors=False)
+
+
+def load_dcp(
+    template: Any, path: str | os.PathLike[str], strict: StrictHandling, trust: bool = False
+) -> Any:
+    """This rank's part of ``load`` from a PyTorch DCP directory (``FileSystemWriter``): plain
+    tensor leaves of the template are DCP's keys (their dotted paths), filled in place, and
+    DCP's non-tensor items are the common state."""
+    return _load(template, path, strict, trust, plain_tensors=True)
+
+
+def _load(
+    template: Any,
+    path: str | os.PathLike[str],
+    strict: StrictHandling,
+    trust: bool,
+    plain_tensors: bool,
+) -> Any:
     source = DcpSource(path, trust=trust)
     factories: list[tuple[Any, ShardedTensorFactory]] = []
     tree = _apply_factories_recording(adapt(template), (), factories)
-    split = split_state_dict(tree, plain_tensors=False)  # Megatron keeps plain leaves in common.pt
+    # Megatron keeps plain leaves in common.pt; DCP stores them as tensors under their paths
+    split = split_state_dict(tree, plain_tensors=plain_tensors)
     tensor_keys = set(source.tensor_keys())
     object_keys = set(source.object_keys())
     unexpected = [st.key for _, st in split.tensors if st.key not in tensor_keys]
     unexpected += [o.unique_key for _, o in split.objects if o.unique_key not in object_keys]
     if unexpected:
         msg = (
-            f"{os.fspath(path)}: {len(unexpected)} requested keys are not in this Megatron "
+            f"{os.fspath(path)}: {len(unexpected)} requested keys are not in this {'DCP' if plain_tensors else 'Megatron'} "
             f"checkpoint: {sorted(set(unexpected))[:10]}"
         )
         if strict.raises_unexpected:
@@ -68,9 +89,12 @@ def load_torch_dist(
                 )
             values[id(o)] = stored[0]
     plain: Any = {k: v for k, v in common.items() if k not in object_keys}
-    if not os.path.isfile(os.path.join(os.fspath(path), MEGATRON_COMMON_FILE)):
+    if plain_tensors:
+        plain = common  # DCP's non-tensor items, nested again by their recorded paths
+    elif not os.path.isfile(os.path.join(os.fspath(path), MEGATRON_COMMON_FILE)):
         plain = {}
-    result = _merge(tree, plain, values, {}, ())
+    filled = {split.tensors[i][0]: split.tensors[i][1] for i in split.replicated}
+    result = _merge(tree, plain, values, filled, ())
     for fpath, factory in reversed(factories):
         result = _replace_at(result, fpath, factory.merge_fn(_get_at(result, fpath)))
     if strict.returns:
