@@ -388,12 +388,15 @@ def hand_back(result: Any, statefuls: list[tuple[Path, Any]], where: str) -> Any
 
 
 def _lookup_or(tree: Any, path: Path) -> Any:
+    """The value at ``path`` in ``tree``, or ``_ABSENT``."""
     for p in path:
-        if (isinstance(tree, list) and isinstance(p, int) and 0 <= p < len(tree)) or (
-            isinstance(tree, dict) and p in tree
-        ):
+        if isinstance(tree, dict):
+            tree = tree.get(p, _ABSENT)
+        elif isinstance(tree, list) and isinstance(p, int) and 0 <= p < len(tree):
             tree = tree[p]
         else:
+            return _ABSENT
+        if tree is _ABSENT:
             return _ABSENT
     return tree
 
