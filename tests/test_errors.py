@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from manifests import sealed
 
 import shardsafe
 import shardsafe.codec
@@ -74,7 +75,7 @@ def _manifest(path) -> dict:
 
 
 def _write_manifest(path, obj) -> None:
-    (path / "manifest.json").write_text(json.dumps(obj))
+    (path / "manifest.json").write_bytes(sealed(obj))
 
 
 def _piece(path, key: str) -> dict:
@@ -585,9 +586,7 @@ def test_uncommitted_sibling_left_by_a_crash(tmp_path):
 )
 def test_malformed_manifest_is_corrupt(ckpt, mutate, names):
     new = mutate(_manifest(ckpt))
-    (ckpt / "manifest.json").write_bytes(
-        new if isinstance(new, bytes) else json.dumps(new).encode()
-    )
+    (ckpt / "manifest.json").write_bytes(new if isinstance(new, bytes) else sealed(new))
     for fn in (
         lambda: shardsafe.load(_template(), ckpt),
         lambda: shardsafe.load_metadata(ckpt),

@@ -455,6 +455,29 @@ def test_golden_bytes_are_pinned(golden_ckpt: Path) -> None:
     assert_matches_golden(golden_ckpt)
 
 
+def test_manifest_digest_follows_format_md(golden_ckpt: Path) -> None:
+    """The file ends with its digest, the xxh3_64 of the bytes before that member plus "}",
+    so it covers every other byte; FORMAT.md's snippet checks it the same way."""
+    raw = (golden_ckpt / MANIFEST_NAME).read_bytes()
+    head, tail = raw.rsplit(b',"manifest_digest":"', 1)
+    assert re.fullmatch(rb'[0-9a-f]{16}"\}', tail)
+    assert xxhash.xxh3_64_hexdigest(head + b"}") == tail[:16].decode()
+    assert Manifest.loads(raw).digest == tail[:16].decode()
+    body = json.dumps(Manifest.loads(raw).to_json(), separators=(",", ":")).encode()
+    assert head + b"}" == body  # what the digest covers: the manifest without it
+    text = FORMAT_MD.read_text()
+    snippet = re.search(r"```python\n(import json, re, xxhash\n.*?)```", text, re.S)
+    assert snippet is not None
+    code = snippet.group(1).replace('"ckpt/manifest.json"', repr(str(golden_ckpt / MANIFEST_NAME)))
+    exec(code, {})
+    (golden_ckpt / MANIFEST_NAME).write_bytes(raw.replace(b'["step",7]', b'["step",8]'))
+    try:
+        with pytest.raises(AssertionError):
+            exec(code, {})
+    finally:
+        (golden_ckpt / MANIFEST_NAME).write_bytes(raw)
+
+
 def test_async_save_writes_the_golden_bytes(tmp_path: Path) -> None:
     make_golden.save_golden(tmp_path / "ckpt", asynchronous=True)
     assert_matches_golden(tmp_path / "ckpt")
@@ -463,6 +486,7 @@ def test_async_save_writes_the_golden_bytes(tmp_path: Path) -> None:
 def test_golden_checkpoint_still_reads() -> None:
     """Today's reader reads the pinned v1 checkpoint into the values it was saved from."""
     reader = CheckpointReader(GOLDEN / "v1")
+    assert reader.manifest.digest is None  # pinned as written before manifests had a digest
     assert reader.verify().ok
     sd = make_golden.golden_state_dict()
     assert torch.equal(reader.read_tensor("matrix"), sd["matrix"].data)

@@ -236,11 +236,23 @@ def test_keys_scalars_and_errors(tmp_path):
     assert sd["optimizer"]["param_groups"][0]["params"] == [n for n, _ in model.named_parameters()]
     shardsafe.save(sd, tmp_path / "c")
 
+    # a fresh optimizer's template gets its state created, so the load fills it
     fresh = Net(1)
-    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=LR)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
     loaded = shardsafe.load(checkpoint_sd(fresh, fresh_opt), tmp_path / "c")
-    with pytest.raises(ValueError, match="init_optimizer_state"):
-        load_optimizer_state(fresh_opt, loaded["optimizer"])
+    load_optimizer_state(fresh_opt, loaded["optimizer"])
+    assert fresh_opt.param_groups[0]["lr"] == LR
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg"], fresh_opt.state[q]["exp_avg"])
+    # ... but an optimizer without state never takes the checkpoint's silently
+    stateless = torch.optim.Adam(fresh.parameters(), lr=LR)
+    with pytest.raises(
+        shardsafe.IncompatibleRequestError,
+        match="state for 5 parameters the optimizer has no state",
+    ):
+        load_optimizer_state(stateless, loaded["optimizer"])
+    with pytest.raises(shardsafe.IncompatibleRequestError, match="OptimizerState"):
+        load_optimizer_state(fresh_opt, {"state": {}, "param_groups": []})
 
     opt.state[model.gate]["odd"] = torch.zeros(7)
     with pytest.raises(ValueError, match="cannot be resharded"):

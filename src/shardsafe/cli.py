@@ -72,10 +72,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reader = CheckpointReader(args.path)
     with progress_bar(reader.manifest.total_bytes, "verify") as bar:
         report = reader.verify(progress=bar.update)
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
     if report.ok:
         print(
             f"OK {args.path}: {plural(report.tensors, 'tensor')}, {plural(report.objects, 'object')}, "
             f"{plural(report.bytes_checked, 'byte')} checked"
+            + ("" if reader.manifest.digest is None else ", manifest digest matches")
         )
         return 0
     print(f"FAILED {args.path}: {plural(len(report.problems), 'problem')}", file=sys.stderr)

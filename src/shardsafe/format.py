@@ -13,10 +13,10 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .checksum import ALGORITHM, block_count
+from .checksum import ALGORITHM, block_count, digest
 from .dtypes import dtype_from_name, itemsize
 from .errors import CorruptCheckpointError
 from .geometry import Box, LayoutTooFragmentedError, find_overlap, flat_range_to_boxes
@@ -190,6 +190,8 @@ class Manifest:
     library_version: str = ""
     user_metadata: Mapping[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    digest: str | None = None
+    """The ``manifest_digest`` the file held, checked (None: written without one)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -208,7 +210,7 @@ class Manifest:
         }
 
     def dumps(self) -> bytes:
-        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+        return seal(json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode())
 
     @property
     def total_bytes(self) -> int:
@@ -223,7 +225,8 @@ class Manifest:
             raise CorruptCheckpointError(
                 f"{where} is not valid JSON ({e}); the checkpoint is corrupt"
             ) from None
-        return Manifest.from_json(obj, where)
+        sealed = check_seal(raw, obj, where)
+        return replace(Manifest.from_json(obj, where), digest=sealed)
 
     @staticmethod
     def from_json(obj: Any, where: str = MANIFEST_NAME) -> Manifest:
@@ -250,6 +253,44 @@ def check_json_density(raw: bytes | bytearray | memoryview, where: str) -> None:
             f"{limit} allowed; parsing it would cost about 25 times its size, so it "
             "is refused as corrupt or hostile"
         )
+
+
+DIGEST_FIELD = "manifest_digest"
+"""The manifest's own digest: its last member (FORMAT.md "The manifest's digest")."""
+_SEAL = re.compile(rb',"manifest_digest":"([0-9a-f]{16})"\}\Z')
+
+
+def seal(body: bytes) -> bytes:
+    """The bytes of ``manifest.json`` for the JSON object text ``body``: ``body`` with a last
+    member ``"manifest_digest"`` holding the xxh3-64 of ``body`` itself, so that every other
+    byte of the file is covered."""
+    if not body.startswith(b"{") or not body.endswith(b"}") or body == b"{}":
+        raise ValueError("seal() takes the text of a non-empty JSON object")
+    return body[:-1] + b',"' + DIGEST_FIELD.encode() + b'":"' + digest(body).encode() + b'"}'
+
+
+def check_seal(raw: bytes, obj: Any, where: str) -> str | None:
+    """Check the digest of the manifest file ``raw`` (parsed: ``obj``); return it, or None for
+    a manifest written without one. A digest that differs, or that is not the file's last
+    member in the form :func:`seal` writes, is a :class:`CorruptCheckpointError` naming
+    ``where``."""
+    if not isinstance(obj, dict) or DIGEST_FIELD not in obj:
+        return None
+    found = _SEAL.search(raw)
+    if found is None or obj[DIGEST_FIELD] != found.group(1).decode():
+        raise CorruptCheckpointError(
+            f"{where}: its {DIGEST_FIELD} is not the file's last member in the form a writer "
+            "gives it, so the file was rewritten or cut after it was written; the checkpoint "
+            "is corrupt (load an earlier one; `shardsafe verify` checks the rest)"
+        )
+    body = raw[: found.start()] + b"}"
+    if digest(body) != found.group(1).decode():
+        raise CorruptCheckpointError(
+            f"{where}: the manifest does not match its {DIGEST_FIELD} "
+            f"({found.group(1).decode()}, computed {digest(body)}): it was changed after it "
+            "was written; the checkpoint is corrupt or tampered with (load an earlier one)"
+        )
+    return str(obj[DIGEST_FIELD])
 
 
 class _Parser:

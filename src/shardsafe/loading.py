@@ -24,6 +24,7 @@ from .dist import get_comm, outcome, raise_for
 from .dtypes import dtype_from_name
 from .engine import DEFAULT_MAX_BUFFER, DataReader, ReadTask, default_threads, plan_reads, run_tasks
 from .errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleRequestError,
@@ -54,7 +55,9 @@ from .sharding import (
     ShardedTensorFactory,
     TensorRef,
     adapt,
+    format_path,
     is_plain_tensor,
+    resolve_stateful,
     split_state_dict,
 )
 from .storage.base import Storage
@@ -239,7 +242,10 @@ def load(
 
     Tensors handed in are filled in place; the result has the template's structure with every
     sharded entry replaced by its tensor/object, non-persistent values unwrapped, and the
-    checkpoint's common state merged in. With ``strict=RETURN_*`` returns
+    checkpoint's common state merged in. A Stateful object of the template (``state_dict()``
+    and ``load_state_dict()``: a module, an LR scheduler, an ``OptimizerState``) is loaded as
+    PyTorch DCP does: its ``state_dict()`` is the template of its part, and once every rank
+    has loaded, ``load_state_dict(loaded part)`` is called; the object stands in the result. With ``strict=RETURN_*`` returns
     ``(state_dict, missing_keys, unexpected_keys)``. Every rank of ``process_group`` must call it;
     ``timeout`` bounds how long a rank waits for the others before naming the absent ones.
     ``fully_parallel``: a piece requested by several ranks is read by one and sent to the others
@@ -255,9 +261,19 @@ def load(
     # another framework's directory, e.g. Megatron-Core torch_dist (see register_foreign_loader)
     foreign = FOREIGN_LOADERS.find(path)
     if foreign is not None:
-        loaded, err = outcome(lambda: foreign(sharded_state_dict, path, strict))
+        statefuls: list[tuple[Path, Any]] = []
+
+        def load_foreign() -> Any:
+            template, found = resolve_stateful(sharded_state_dict)
+            statefuls.extend(found)
+            return foreign(template, path, strict)
+
+        loaded, err = outcome(load_foreign)
         comm.arrive("load", timeout)
-        raise_for([r["error"] for r in comm.all_gather({"error": err})], "load")
+        records = comm.all_gather({"error": err, "stateful": bool(statefuls)})
+        raise_for([r["error"] for r in records], "load")
+        if any(r["stateful"] for r in records):
+            loaded = _hand_back_all(comm, loaded, statefuls, strict, path)
         return loaded
     job, err = outcome(
         lambda: _LoadJob(
@@ -307,6 +323,7 @@ def load(
     state = {
         "error": err,
         "requested": sorted(job.requested) if job and strict.needs_missing else None,
+        "stateful": bool(job and job.statefuls),
     }
     comm.arrive("load", timeout)
     records = comm.all_gather(state)
@@ -334,9 +351,60 @@ def load(
             time.perf_counter() - t0,
             f" ({len(shared)} replicated pieces read once and sent)" if shared else "",
         )
+    if any(r["stateful"] for r in records):
+        result = _hand_back_all(comm, result, job.statefuls, strict, path)
     if strict.returns:
         return result, missing, set(job.unexpected)
     return result
+
+
+def _hand_back_all(
+    comm: Any, result: Any, statefuls: list[tuple[Path, Any]], strict: StrictHandling, path: Any
+) -> Any:
+    """Call ``load_state_dict`` of every Stateful object once all ranks have loaded (it may run
+    collectives of its own, as DCP's ``set_state_dict`` does), then agree on the outcome."""
+    body = result[0] if strict.returns and isinstance(result, tuple) else result
+    body, err = outcome(lambda: hand_back(body, statefuls, os.fspath(path)))
+    records = comm.all_gather({"error": err})
+    raise_for([r["error"] for r in records], "load (load_state_dict of Stateful objects)")
+    return (body, *result[1:]) if strict.returns and isinstance(result, tuple) else body
+
+
+def hand_back(result: Any, statefuls: list[tuple[Path, Any]], where: str) -> Any:
+    """Give each Stateful object (innermost first) its loaded part, and put the object in its
+    place in ``result``, so the result saves again as the template did."""
+    for at, obj in statefuls:
+        value = _lookup_or(result, at)
+        if value is _ABSENT:
+            raise MissingKeyError(
+                f"{where}: nothing was loaded for the {type(obj).__qualname__} at "
+                f"{format_path(at)}: its state_dict() keys are not in the checkpoint"
+            )
+        try:
+            obj.load_state_dict(value)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise IncompatibleRequestError(
+                f"{where}: {type(obj).__qualname__}.load_state_dict() of {format_path(at)} failed "
+                f"on what the checkpoint holds: {type(e).__name__}: {e}"
+            ) from e
+        result = _replace_at(result, at, obj)
+    return result
+
+
+def _lookup_or(tree: Any, path: Path) -> Any:
+    """The value at ``path`` in ``tree``, or ``_ABSENT``."""
+    for p in path:
+        if isinstance(tree, dict):
+            tree = tree.get(p, _ABSENT)
+        elif isinstance(tree, list) and isinstance(p, int) and 0 <= p < len(tree):
+            tree = tree[p]
+        else:
+            return _ABSENT
+        if tree is _ABSENT:
+            return _ABSENT
+    return tree
 
 
 ForeignLoader = Callable[[Any, "str | os.PathLike[str]", StrictHandling], Any]
@@ -402,6 +470,7 @@ class _LoadJob:
         manifest = self.manifest
         self.where = self.storage.describe(MANIFEST_NAME)
         self.factories: list[tuple[Path, ShardedTensorFactory]] = []
+        template, self.statefuls = resolve_stateful(template)
         self.tree = _apply_factories_recording(adapt(template), (), self.factories)
         self.split = split_state_dict(self.tree)
         self._common: Any = _ABSENT
@@ -673,7 +742,7 @@ def files_to_read(template: Any, manifest: Manifest) -> set[str]:
     that meets a requested box, of every object requested, of the common state's blobs and of
     the tensors it refers to. A restore from copies spread over hosts fetches these first.
     """
-    tree = _apply_factories_recording(adapt(template), (), [])
+    tree = _apply_factories_recording(adapt(resolve_stateful(template)[0]), (), [])
     split = split_state_dict(tree)
     files: set[str] = set()
     for _, st in split.tensors:

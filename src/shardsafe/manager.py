@@ -51,6 +51,7 @@ from .sharding import (
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
+    is_stateful,
 )
 from .signals import DEAD_AFTER
 
@@ -371,6 +372,13 @@ class CheckpointManager:
         (:func:`shardsafe.load` returns the plain loaded values instead.) :attr:`restored_step`
         then names the step that was loaded.
 
+        Stateful objects in the template (``state_dict()`` + ``load_state_dict()``: an
+        ``OptimizerState(optimizer, model)``, an LR scheduler, a module, DCP's ``AppState``) are
+        loaded through their ``state_dict()`` and handed the result with ``load_state_dict``,
+        on every rank; the returned state holds the objects themselves, so the next save asks
+        them again. This is how a run resumes its optimizer (state, step, param groups and
+        learning rate) and scheduler in any layout.
+
         Without ``step`` the coordinator picks the step and tells the others, so every rank
         loads the same checkpoint. Everything read is verified against its checksums. When the
         chosen step turns out corrupt or incomplete on any rank and ``fallback`` is true, every
@@ -614,7 +622,10 @@ __all__ = [
 
 
 def resavable(template: Any, loaded: Any) -> Any:
-    """``loaded`` with the template's sharded entries put back around the loaded values."""
+    """``loaded`` with the template's sharded entries put back around the loaded values, and
+    its Stateful objects (loaded through ``load_state_dict``) themselves."""
+    if is_stateful(template):
+        return template
     if isinstance(template, ShardedTensor):
         if template.data is None and isinstance(loaded, torch.Tensor):
             return replace(template, data=loaded)

@@ -175,7 +175,8 @@ class CheckpointReader:
 
     # -- integrity ------------------------------------------------------------------------
     def verify(self, progress: Callable[[int], None] | None = None) -> VerifyReport:
-        """Re-read every stored byte, check checksums, sizes and coverage. Never raises for damage."""
+        """Re-read every stored byte, check checksums, sizes and coverage. Never raises for damage
+        (a manifest that fails its own digest already refused to open)."""
         return verify_manifest(self.manifest, self.storage, progress)
 
 
@@ -194,6 +195,8 @@ class VerifyReport:
     bytes_checked: int = 0
     tensors: int = 0
     objects: int = 0
+    notes: list[str] = field(default_factory=list)
+    """What was not checked, without being a problem (a manifest written without a digest)."""
 
     @property
     def ok(self) -> bool:
@@ -204,6 +207,11 @@ def verify_manifest(
     manifest: Manifest, storage: Any, progress: Callable[[int], None] | None = None
 ) -> VerifyReport:
     report = VerifyReport(tensors=len(manifest.tensors), objects=len(manifest.objects))
+    if manifest.digest is None:
+        report.notes.append(
+            f"{MANIFEST_NAME} has no manifest_digest (written before shardsafe stored one): "
+            "the data is checked against its checksums, the manifest itself is not"
+        )
     for name, entry in manifest.files.items():
         try:
             size = storage.size(name)

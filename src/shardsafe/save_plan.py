@@ -40,6 +40,7 @@ from .sharding import (
     apply_factories,
     format_path,
     is_main_replica,
+    resolve_stateful,
     split_state_dict,
 )
 
@@ -77,7 +78,8 @@ def prepare(sharded_state_dict: Any, rank: int) -> tuple[SplitStateDict, LocalPl
 
     Plain tensor leaves are replicas of one whole tensor: rank 0's is the main one.
     """
-    split = split_state_dict(apply_factories(adapt(sharded_state_dict)))
+    resolved, _ = resolve_stateful(sharded_state_dict)  # Stateful objects: their state_dict()
+    split = split_state_dict(apply_factories(adapt(resolved)))
     for i in split.replicated:
         path, st = split.tensors[i]
         split.tensors[i] = (path, replace(st, replica_id=rank))

@@ -530,6 +530,8 @@ def save(
 
     All ranks must call it. Returns when the checkpoint is committed, or raises the same
     :class:`CheckpointError` on every rank; nothing appears at ``path`` unless it committed.
+    A Stateful object in the state dict (``state_dict()`` + ``load_state_dict()``, as in
+    PyTorch DCP) is saved as what its ``state_dict()`` returns when ``save`` is called.
     """
     return default_saver(process_group).save(
         sharded_state_dict,

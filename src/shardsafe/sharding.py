@@ -10,6 +10,9 @@ A *sharded state dict* is a nested dict/list whose leaves are:
 * a plain ``torch.Tensor`` (an ``nn.Parameter``, a ``model.state_dict()`` value) — a whole tensor
   replicated on every rank, keyed by its dotted path (as PyTorch DCP keys it);
 * :class:`CoordinatorObject` — common state taken from the coordinator as is, not compared;
+* a *Stateful* object (``state_dict()`` and ``load_state_dict()``, as in PyTorch DCP: a module,
+  an LR scheduler, :class:`shardsafe.integrations.optimizer.OptimizerState`) — stands for what
+  its ``state_dict()`` returns; a load then hands it the loaded value (:func:`resolve_stateful`);
 * anything else — *common* state, which must agree across ranks, saved once by the coordinator.
 """
 
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import ValidationError
+from .errors import CheckpointError, ValidationError
 from .geometry import Box, flat_range_to_boxes
 from .looks_sharded import refuse_sharded_leaf
 
@@ -449,6 +452,58 @@ def register_state_dict_adapter(adapter: Callable[[Any], Any]) -> None:
 def adapt(tree: Any) -> Any:
     """Apply the registered adapters (see :class:`StateDictAdapters`)."""
     return STATE_DICT_ADAPTERS(tree)
+
+
+def is_stateful(node: Any) -> bool:
+    """An object with ``state_dict()`` and ``load_state_dict(sd)`` methods (PyTorch DCP's
+    ``Stateful`` protocol): a module, an optimizer, an LR scheduler, DCP's ``AppState``."""
+    return (
+        not isinstance(node, (type, torch.Tensor, dict, list, tuple))
+        and callable(getattr(node, "state_dict", None))
+        and callable(getattr(node, "load_state_dict", None))
+    )
+
+
+def resolve_stateful(tree: Any, path: Path = ()) -> tuple[Any, list[tuple[Path, Any]]]:
+    """``tree`` with each Stateful object replaced by its ``state_dict()``, and the
+    ``(path, object)`` pairs replaced, innermost first (the order ``load_state_dict`` runs in).
+
+    As in PyTorch DCP, save stores what ``state_dict()`` returns; load loads into it as a
+    template and passes the result to ``load_state_dict``. Containers are copied only on
+    the way to a Stateful object, so a tree without one comes back as it is.
+    """
+    found: list[tuple[Path, Any]] = []
+
+    def walk(node: Any, at: Path) -> Any:
+        if is_stateful(node):
+            try:
+                sd = node.state_dict()
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise ValidationError(
+                    f"{_fmt(at)}: {type(node).__qualname__}.state_dict() failed: {e}"
+                ) from e
+            if sd is node:
+                raise ValidationError(
+                    f"{_fmt(at)}: {type(node).__qualname__}.state_dict() returned the object itself"
+                )
+            resolved = walk(sd, at)
+            found.append((at, node))
+            return resolved
+        if isinstance(node, dict):
+            items = {k: walk(v, (*at, k)) for k, v in node.items()}
+            if all(items[k] is v for k, v in node.items()):
+                return node
+            return items
+        if isinstance(node, list):
+            values = [walk(v, (*at, i)) for i, v in enumerate(node)]
+            if all(a is b for a, b in zip(values, node, strict=True)):
+                return node
+            return values
+        return node
+
+    return walk(tree, path), found
 
 
 def apply_factories(tree: Any) -> Any:

@@ -22,6 +22,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from manifests import sealed
+
 EXTRA_AS = 2 << 30
 """Address space a child may use beyond what importing shardsafe and torch took."""
 CALL_SECONDS = 20.0
@@ -223,7 +225,7 @@ def save_small(path: Path, **saver: Any) -> dict[str, Any]:
 
 
 def write_manifest(path: Path, doc: dict[str, Any]) -> None:
-    (path / "manifest.json").write_text(json.dumps(doc))
+    (path / "manifest.json").write_bytes(sealed(doc))
 
 
 READERS = """

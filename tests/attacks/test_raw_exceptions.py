@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from manifests import sealed
 
 from .foreign import FOREIGN, make_dcp, make_hf, torch_bytes
 from .harness import (
@@ -245,11 +246,11 @@ def test_cli_on_damaged_checkpoints(tmp_path: Path) -> None:
     huge = root / "step-200"
     doc = save_small(huge)
     doc["files"][next(iter(doc["files"]))]["nbytes"] = 10**400
-    (huge / "manifest.json").write_text(json.dumps(doc))
+    (huge / "manifest.json").write_bytes(sealed(doc))
     surrogate = root / "step-300"
     doc = save_small(surrogate)
     doc["tensors"]["w\udcff"] = doc["tensors"].pop("w")
-    (surrogate / "manifest.json").write_text(json.dumps(doc))
+    (surrogate / "manifest.json").write_bytes(sealed(doc))
     loop = root / ".step-400.tmp-1"
     (loop / "data").mkdir(parents=True)
     (loop / "data" / "a.bin").symlink_to(loop / "data" / "b.bin")

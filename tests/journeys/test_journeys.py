@@ -329,3 +329,78 @@ def test_tensor_parallel_two_ranks_to_one_with_parameters(tmp_path):
                 _same(loaded, saved)
         saved = results[0][1]
     assert Path(paths[-1], "manifest.json").exists()
+
+
+# --------------------------------------------------------------------------- TP + Adam + scheduler
+
+
+def _optim_snapshot(model, opt, sched):
+    """Every tensor of the model and the optimizer state by parameter name, whole, with the
+    param groups (lr) and the scheduler's state."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {
+        names[id(p)]: _np(dict(opt.state[p]))
+        for g in opt.param_groups
+        for p in g["params"]
+        if opt.state.get(p)
+    }
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return {
+        "model": _np(dict(model.state_dict())),
+        "state": state,
+        "groups": groups,
+        "scheduler": sched.state_dict(),
+    }
+
+
+def _optim_generation(rank, world, root, steps):
+    """The README's resume loop with model, Adam and an LR scheduler under tensor parallelism:
+    fc1's columns split over the ranks (its output gathered, so every layout does the same
+    float operations), fc2 replicated. Nothing but ``manager.restore`` restores them."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from shardsafe.integrations import OptimizerState
+
+    model = Net(hidden=8)
+    model.drop.p = 0.0
+    if world > 1:
+        plan = {"fc1": ColwiseParallel(output_layouts=Replicate())}
+        parallelize_module(model, _mesh(world), plan)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    state = {"model": model, "optim": OptimizerState(opt, model), "sched": sched, "step": 0}
+    manager = CheckpointManager(root, keep_last=2)
+    loaded = None
+    if manager.latest_step() is not None:
+        state = manager.restore(state)
+        loaded = _optim_snapshot(model, opt, sched)
+    first = state["step"] + 1
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        for half in (0, 1):
+            (_half_loss(model, step, half) * 0.5).backward()
+        opt.step()
+        sched.step()
+        state["step"] = step
+    manager.save(state["step"], state)  # the state restore returned saves again as built
+    manager.close()
+    return loaded, _optim_snapshot(model, opt, sched)
+
+
+def test_tensor_parallel_adam_and_scheduler_through_the_manager(tmp_path):
+    root = str(tmp_path / "ckpt")
+    saved = None
+    for world in (2, 1, 2, 1):
+        results = run_ranks(_optim_generation, world, root, 3)
+        for loaded, _ in results:
+            if saved is not None:  # moments, step, lr and scheduler exactly as saved
+                _same(loaded, saved)
+        saved = results[0][1]
+        _same(results[-1][1], saved)
+    (ref,) = run_ranks(_optim_generation, 1, str(tmp_path / "ref"), 12)
+    _same(saved, ref[1])  # equal to an uninterrupted run
+    assert saved["groups"][0]["lr"] == LR * 0.5**6 and saved["scheduler"]["last_epoch"] == 12
+    reader = shardsafe.CheckpointReader(f"{root}/step_{12:09d}")
+    assert "optimizer.state.exp_avg.fc1.weight" in reader.tensor_keys()
+    assert reader.verify().ok

@@ -22,6 +22,7 @@ from .dtensor import (
     to_sharded_state_dict,
 )
 from .optimizer import (
+    OptimizerState,
     flat_optimizer_sharded_state_dict,
     init_optimizer_state,
     load_optimizer_state,
@@ -39,6 +40,7 @@ from .rng import (
 
 __all__ = [
     "LocalBox",
+    "OptimizerState",
     "RngPolicy",
     "apply_rng_state",
     "capture_rng_state",

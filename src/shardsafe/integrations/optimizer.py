@@ -16,9 +16,15 @@ single-process model, to a ZeRO-1 flat buffer, and back.
   with ``flattened_range`` pieces of the same keys, so flat and per-parameter layouts load
   into each other.
 
-Loading::
+The one way to save and resume it, with ``shardsafe.save``/``load`` or a CheckpointManager,
+is :class:`OptimizerState`, a Stateful entry of the state dict::
 
-    init_optimizer_state(optimizer)        # Adam creates its state lazily: create it now
+    state = {"model": model_sd, "optimizer": OptimizerState(optimizer, model_sd),
+             "scheduler": scheduler, "step": 0}
+    state = manager.restore(state)  # moments, step, param groups (lr) and scheduler restored
+
+By hand (what ``OptimizerState`` does)::
+
     model_sd = to_sharded_state_dict(model.state_dict())
     template = {"model": model_sd, "optimizer": optimizer_sharded_state_dict(optimizer, model_sd)}
     loaded = shardsafe.load(template, path)  # fills parameters and state tensors in place
@@ -33,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..errors import IncompatibleRequestError, ValidationError
 from ..sharding import (
     LocalNonPersistentObject,
     ReplicaId,
@@ -190,7 +197,12 @@ def optimizer_sharded_state_dict(
     <non-persistent {param key: param}>}``; state tensors are the live ones, so ``load``
     restores them in place. A parameter with state but no matching model entry, or a state
     tensor of another shape than the parameter's, raises.
+
+    A trainable parameter without state (a fresh optimizer: Adam creates its state lazily)
+    first gets it, zeroed, by :func:`init_optimizer_state`, as PyTorch DCP's
+    ``get_optimizer_state_dict`` does: a template never lacks state that a load should fill.
     """
+    init_optimizer_state(optimizer)
     geometry = _match_params(optimizer, model_sharded_state_dict, params_by_name)
     rank = _group_rank()
     state: dict[str, dict[str, Any]] = {}
@@ -348,21 +360,35 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 def load_optimizer_state(optimizer: torch.optim.Optimizer, loaded: Mapping[str, Any]) -> None:
     """Finish a load of :func:`optimizer_sharded_state_dict`'s template into ``optimizer``.
 
-    State tensors were filled in place by ``load``; this copies any that were not (a state
+    ``loaded`` is that template's part of what ``shardsafe.load`` or
+    ``CheckpointManager.restore`` returned (restore keeps the ShardedTensors, filled in place).
+    State tensors were filled in place by the load; this copies any that were not (a state
     replaced since the template was built), sets non-tensor state, and restores the
-    ``param_groups`` hyperparameters by position (the parameters stay the optimizer's own).
+    ``param_groups`` hyperparameters by position, the learning rate included (the parameters
+    stay the optimizer's own). A parameter the checkpoint holds state for but the optimizer
+    has none raises :class:`IncompatibleRequestError` rather than staying without state.
     """
-    params = loaded.get(PARAMS_KEY)
+    params = loaded.get(PARAMS_KEY) if isinstance(loaded, Mapping) else None
+    if isinstance(params, LocalNonPersistentObject):  # what restore() returns
+        params = params.unwrap()
     if not isinstance(params, Mapping):
-        raise ValueError(
-            "load_optimizer_state needs the result of loading optimizer_sharded_state_dict(...)"
-        )
-    if params and not optimizer.state:
-        raise ValueError(
-            "the optimizer has no state to load into: call init_optimizer_state(optimizer) "
-            "before building the load template"
+        raise IncompatibleRequestError(
+            "load_optimizer_state needs the optimizer's part of what shardsafe.load(...) or "
+            "CheckpointManager.restore(...) returned for a template holding "
+            f"optimizer_sharded_state_dict(...) (got {type(loaded).__name__} without "
+            f"{PARAMS_KEY!r}); or put OptimizerState(optimizer, model) in the state dict, which "
+            "restore and load finish by themselves"
         )
     saved_state = loaded.get("state") or {}
+    empty = [k for k, p in params.items() if k in saved_state and not optimizer.state.get(p)]
+    if empty:
+        raise IncompatibleRequestError(
+            f"the checkpoint holds optimizer state for {len(empty)} parameters the optimizer has "
+            f"no state for ({empty[:4]}): the load template was built before that state existed "
+            "or from another optimizer; build it with optimizer_sharded_state_dict(optimizer, "
+            "...) of this optimizer (it creates the state), or use OptimizerState(optimizer, "
+            "model) in the state dict"
+        )
     with torch.no_grad():
         for key, p in params.items():
             saved = saved_state.get(key)
@@ -372,6 +398,10 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, loaded: Mapping[str, 
             for name, value in saved.items():
                 if isinstance(value, list):  # several pieces, filled in place
                     continue
+                if isinstance(value, ShardedTensor):  # restore() keeps the filled piece
+                    if value.data is None:
+                        continue
+                    value = value.data
                 now = current.get(name)
                 if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor):
                     target = _local(now)
@@ -401,3 +431,61 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, loaded: Mapping[str, 
         for k, v in saved_group.items():
             if k != "params":
                 group[k] = v
+
+
+class OptimizerState:
+    """A ``torch.optim`` optimizer as a Stateful entry of a state dict, its state in
+    parameter space: put it in what ``shardsafe.save``/``load`` or a
+    :class:`~shardsafe.CheckpointManager` get, and it saves and restores in any layout.
+
+    ``state_dict()`` is :func:`optimizer_sharded_state_dict` of the optimizer against the
+    model's state dict (creating a fresh optimizer's state first); ``load_state_dict`` is
+    :func:`load_optimizer_state`: moments and ``step`` (filled in place), non-tensor state and
+    the param groups with their learning rate. ``model`` is the model (its ``state_dict()`` is
+    taken each time: plain, DDP, FSDP2 or tensor-parallel DTensors) or a (sharded) state dict of
+    it, such as the ``to_sharded_state_dict(model.state_dict())`` saved beside; use the same
+    kind when saving and loading. ``params_by_name`` and ``prefix`` are
+    :func:`optimizer_sharded_state_dict`'s (two optimizers in one state dict need two prefixes).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: Any,
+        *,
+        params_by_name: Mapping[str, torch.Tensor] | None = None,
+        prefix: str = "optimizer.",
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValidationError(
+                f"OptimizerState needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        self.optimizer = optimizer
+        self.model = model
+        self.params_by_name = params_by_name
+        self.prefix = prefix
+
+    def _model_state_dict(self) -> Any:
+        if isinstance(self.model, (Mapping, list)):
+            return self.model
+        state_dict = getattr(self.model, "state_dict", None)
+        if not callable(state_dict):
+            raise ValidationError(
+                "OptimizerState's model must be a module or a state dict, got "
+                f"{type(self.model).__name__}"
+            )
+        return state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return optimizer_sharded_state_dict(
+            self.optimizer,
+            self._model_state_dict(),
+            params_by_name=self.params_by_name,
+            prefix=self.prefix,
+        )
+
+    def load_state_dict(self, loaded: Mapping[str, Any]) -> None:
+        load_optimizer_state(self.optimizer, loaded)
+
+    def __repr__(self) -> str:
+        return f"OptimizerState({type(self.optimizer).__name__}, prefix={self.prefix!r})"
