@@ -244,3 +244,15 @@ def test_replica_digest_is_the_same_chunked_or_whole():
     whole = tensor_digest(t)
     assert tensor_digest(t, chunk_bytes=100, chunked=True) == whole
     assert tensor_digest(t.contiguous() + 1, chunk_bytes=100, chunked=True) != whole
+
+
+def test_stored_list_items_past_a_shorter_template_are_kept(tmp_path):
+    """A template list shorter than the stored one (an empty list of names, a history that
+    grew) gets the stored items, as a template dict gets the stored keys it lacks."""
+    w = torch.arange(4.0)
+    shardsafe.save({"names": ["a", "b"], "hist": [1, {"x": 2}, 3], "w": w}, tmp_path / "c")
+    dest = torch.zeros(4)
+    out = shardsafe.load({"names": [], "hist": [7], "w": dest}, tmp_path / "c")
+    assert out["names"] == ["a", "b"]
+    assert out["hist"] == [1, {"x": 2}, 3]
+    assert out["w"] is dest and torch.equal(dest, w)

@@ -680,7 +680,9 @@ def _merge(
             _merge(v, base[i] if i < len(base) else _ABSENT, values, plain, (*path, i))
             for i, v in enumerate(template)
         ]
-        return [v for v in out_list if v is not _ABSENT]
+        # Stored items past the template's end are common state too: kept, as a dict's
+        # stored keys the template lacks are (never dropped without a word).
+        return [v for v in out_list if v is not _ABSENT] + base[len(template) :]
     return template if common is _ABSENT else common
 
 
