@@ -604,3 +604,14 @@ def test_bad_rename_and_shard_size_are_one_line_errors(
     assert code == 2 and err.startswith("error: ") and says in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_export_into_a_link_to_an_empty_directory_fills_the_directory(tmp_path: Path) -> None:
+    import shardsafe
+
+    shardsafe.save({"t": torch.arange(5.0)}, tmp_path / "c")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    export_dcp(shardsafe.CheckpointReader(tmp_path / "c"), tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and is_dcp_checkpoint(tmp_path / "real")
+    assert torch.equal(DcpSource(tmp_path / "real").read_tensor("t"), torch.arange(5.0))

@@ -96,7 +96,9 @@ def staged(dst: Path, own: Callable[[str], bool], last: str | None) -> Iterator[
 
 
 def _publish(work: Path, dst: Path, own: Callable[[str], bool], last: str | None) -> None:
-    if not os.path.lexists(dst) or (dst.is_dir() and not any(dst.iterdir())):
+    if not os.path.lexists(dst) or (
+        dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir())
+    ):
         os.replace(work, dst)  # an empty directory is replaced in one rename
         return
     new = sorted(p.name for p in work.iterdir())
