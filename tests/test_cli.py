@@ -185,3 +185,27 @@ def test_console_script_help_and_usage_errors(tmp_path):
 def test_missing_path_is_a_clear_error(tmp_path, capsys, cmd):
     rc = main([cmd, str(tmp_path / "missing")])
     assert rc in (1, 2) and "missing" in capsys.readouterr().err
+
+
+def test_overlap_compares_resolved_local_paths_and_object_store_keys(tmp_path):
+    from shardsafe.convert.publish import overlap
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    assert overlap(tmp_path / "real", tmp_path / "alias") == "is"
+    assert overlap(tmp_path / "real", tmp_path / "alias" / "x" / "..") == "is"
+    assert overlap(tmp_path / "alias", tmp_path / "real" / "hf") == "lies inside"
+    assert overlap(tmp_path / "real" / "ck", tmp_path) == "contains"
+    assert overlap(tmp_path / "real", tmp_path / "realer") is None
+    assert overlap("s3://b/run/ck", "s3://b/run/ck/") == "is"
+    assert overlap("s3://b/run/ck", "s3://b/run/x/../ck/hf") == "lies inside"
+    assert overlap("s3://b/run/ck", "s3://b/run") == "contains"
+    assert overlap("s3://b/run/ck", "s3://other/run/ck") is None
+    assert overlap("s3://b/run/ck", str(tmp_path / "run" / "ck")) is None
+
+
+def test_convert_between_object_store_paths_refuses_overlap_before_any_io(capsys):
+    # the refusal comes before the object store is reached: no server, no credentials needed
+    assert main(["convert", "s3://b/run/ck", "s3://b/run/ck/../ck", "--to", "dcp"]) == 2
+    err = capsys.readouterr().err
+    assert "never writes where it reads" in err and "Traceback" not in err

@@ -513,3 +513,105 @@ def test_stream_transforms(tmp_path: Path) -> None:
     registry.register(extension)
     source = DcpSource(tmp_path / "c", extension_registry=registry)
     assert torch.equal(source.read_tensor("w"), state["w"]) and source.common() == {"n": 5}
+
+
+def _damaged_checkpoint(path: Path) -> None:
+    """A committed shardsafe checkpoint whose second tensor fails its checksum."""
+    import shardsafe
+
+    shardsafe.save({"a": torch.arange(4096.0), "b": torch.ones(4096), "step": 1}, path)
+    reader = shardsafe.CheckpointReader(path)
+    extent = reader.manifest.tensors["b"].pieces[0].extent
+    data = path / extent.file
+    raw = bytearray(data.read_bytes())
+    raw[extent.byte_offset + 10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "megatron", "hf"])
+def test_export_of_a_damaged_source_fails_in_one_line_and_writes_nothing(
+    tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch's writer wrapped the reader's error in a CheckpointException (a BaseException, so
+    it escaped as a traceback) after writing the files of the tensors before it."""
+    import shardsafe
+    from shardsafe.cli import main
+
+    _damaged_checkpoint(tmp_path / "bad")
+    code = main(["convert", str(tmp_path / "bad"), str(tmp_path / "out"), "--to", fmt])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if not line.startswith("warning: ")]
+    assert code == 2 and "Traceback" not in err, err
+    assert len(errors) == 1 and errors[0].startswith("error: ") and "checksum" in errors[0], err
+    assert sorted(os.listdir(tmp_path)) == ["bad"]  # no half export, no staging left behind
+    # over an existing export with --overwrite: the old export stays whole
+    shardsafe.save({"a": torch.zeros(3), "b": torch.zeros(3)}, tmp_path / "good")
+    assert main(["convert", str(tmp_path / "good"), str(tmp_path / "out"), "--to", fmt]) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    code = main(
+        ["convert", str(tmp_path / "bad"), str(tmp_path / "out"), "--to", fmt, "--overwrite"]
+    )
+    assert code == 2
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["bad", "good", "out"]
+    assert torch.equal(
+        shardsafe.convert.open_source(tmp_path / "out").read_tensor("a"), torch.zeros(3)
+    )
+
+
+def test_export_over_an_older_export_replaces_only_its_own_files(tmp_path: Path) -> None:
+    """Published from the staging directory: stale data files of the old export go, files that
+    are not the format's stay, and the result reads back exactly."""
+    import shardsafe
+    from shardsafe.convert.megatron_export import export_megatron
+
+    shardsafe.save({f"t{i}": torch.full((8,), float(i)) for i in range(6)}, tmp_path / "six")
+    shardsafe.save({"t0": torch.full((2,), 7.0)}, tmp_path / "one")
+    for fmt, export in (("dcp", export_dcp), ("megatron", export_megatron)):
+        out = tmp_path / fmt
+        export(shardsafe.CheckpointReader(tmp_path / "six"), out)
+        (out / "README.md").write_text("mine")
+        export(shardsafe.CheckpointReader(tmp_path / "one"), out, overwrite=True)
+        source = DcpSource(out)
+        assert source.tensor_keys() == ["t0"] and torch.equal(
+            source.read_tensor("t0"), torch.full((2,), 7.0)
+        )
+        assert (out / "README.md").read_text() == "mine"
+        assert len([p for p in out.iterdir() if p.suffix == ".distcp"]) == 1, sorted(
+            os.listdir(out)
+        )
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--rename", r"w => \9", "invalid group reference 9"),
+        ("--rename", r"(w) => \g<name>", "unknown group name"),
+        ("--max-shard-size", "9" * 400, "cannot read"),
+        ("--max-shard-size", "99999999999TB", "beyond any disk"),
+    ],
+)
+def test_bad_rename_and_shard_size_are_one_line_errors(
+    tmp_path: Path, flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shardsafe
+    from shardsafe.cli import main
+
+    shardsafe.save({"w": torch.ones(3)}, tmp_path / "c")
+    code = main(["convert", str(tmp_path / "c"), str(tmp_path / "o"), "--to", "hf", flag, value])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and says in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_export_into_a_link_to_an_empty_directory_fills_the_directory(tmp_path: Path) -> None:
+    import shardsafe
+
+    shardsafe.save({"t": torch.arange(5.0)}, tmp_path / "c")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    export_dcp(shardsafe.CheckpointReader(tmp_path / "c"), tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and is_dcp_checkpoint(tmp_path / "real")
+    assert torch.equal(DcpSource(tmp_path / "real").read_tensor("t"), torch.arange(5.0))

@@ -47,3 +47,31 @@ def test_quick_demo_passes_all_its_checks(tmp_path: Path) -> None:
     assert "FAIL" not in out
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert kept[-1] == "step_000000016" and "latest" in kept
+
+
+def test_make_demo_installs_the_core_only_and_make_test_the_dev_extras_after_it(tmp_path: Path):
+    """``make demo`` once installed every dev extra (a 1.6 GB .venv for a demo needing torch
+    and shardsafe); the two targets share .venv, so ``make test`` after it must still install
+    the dev extras. Dry runs (``make -n``) against a copy of the Makefile."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(REPO / name, tmp_path / name)
+
+    def dry(target: str) -> str:
+        done = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    demo = dry("demo")
+    assert "pip install -q -e ." in demo and "[dev]" not in demo and "examples/demo.py" in demo
+    os.utime(tmp_path / "pyproject.toml", (1, 1))  # older than the stamps made below
+    os.utime(tmp_path / "Makefile", (1, 1))
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / ".installed-core").touch()  # as `make demo` leaves it
+    test = dry("test")
+    assert "'.[dev]'" in test and "pytest" in test and "torch==" not in test
+    (tmp_path / ".venv" / ".installed").touch()  # as `make test` leaves it
+    assert "pip" not in dry("demo")

@@ -37,6 +37,7 @@ from faultinject import (
 from stepstate import StepState
 
 import shardsafe
+import shardsafe.convert
 from shardsafe import (
     CheckpointError,
     CheckpointExistsError,
@@ -472,3 +473,42 @@ def test_full_disk_single_process_error_names_the_condition(tmp_path: Path) -> N
     assert os.listdir(tmp_path) == []
     shardsafe.save(whole_state(1), tmp_path / "ck")
     assert_holds_step(shardsafe.load(whole_template(), tmp_path / "ck"), 1)
+
+
+def _files_of(path: Path) -> dict[str, bytes]:
+    if path.is_file():
+        return {path.name: path.read_bytes()}
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("fmt", ["torch", "hf", "dcp", "megatron", "shardsafe"])
+def test_convert_onto_its_own_source_is_refused_and_the_source_survives(
+    tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``convert X X --overwrite`` once deleted a DCP/Megatron checkpoint before reading it and
+    wrote wrong tensors over a Hugging Face folder. A destination that is (by any spelling:
+    a symlink, ``..``), holds or lies inside the source is refused, and the source is untouched."""
+    from shardsafe.cli import main
+
+    model = torch.nn.Linear(64, 48)
+    shardsafe.save({"model": model.state_dict(), "step": 3}, tmp_path / "orig")
+    src = tmp_path / ("src.pt" if fmt == "torch" else "src")
+    extra = ["--max-shard-size", "4KB"] if fmt == "hf" else []  # several shards
+    assert main(["convert", str(tmp_path / "orig"), str(src), "--to", fmt, *extra]) == 0
+    before = _files_of(src)
+    (tmp_path / "link").symlink_to(src)
+    spellings = [src, tmp_path / "link", tmp_path / "x" / ".." / src.name, tmp_path]
+    if fmt != "torch":
+        spellings.append(src / "inside")
+    for dst in spellings:
+        capsys.readouterr()
+        code = main(["convert", str(src), str(dst), "--to", fmt, "--overwrite", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and "never writes where it reads" in err, (dst, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert _files_of(src) == before, dst
+    assert not (src / "inside").exists()
+    back = shardsafe.convert.open_source(src)
+    assert torch.equal(back.read_tensor("model.weight"), model.weight.detach())

@@ -92,6 +92,7 @@ def train_with_tiers(mode: str, root: str, marker: str, local: str, report: dict
             except Exception as e:
                 report["error"] = str(e)
             Path(f"{marker}.rank{rank}.json").write_text(json.dumps(report))
+            _await_host_reports(marker, report["host"])
             os._exit(1)
         m.wait()
     w_ref, m_ref = reference(20)
@@ -101,6 +102,26 @@ def train_with_tiers(mode: str, root: str, marker: str, local: str, report: dict
     )
     report["local_steps"] = sorted(n for n in os.listdir(local) if n.startswith("step_"))
     m.close()
+
+
+def _await_host_reports(marker: str, host: str, limit: float = 120.0) -> None:
+    """Exit only once every rank of this host has reported. torchrun stops a host's other ranks
+    as soon as one exits non-zero, and a rank that is not its host's leader is done with a
+    local save before the leader has published the step on the host's disk (manifest, fsyncs,
+    rename, pointer, retention): exiting at once let torchrun kill the leader half-way through
+    on a loaded machine, leaving three steps (or a stray one) on the survivor's disk."""
+    mine = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        done = 0
+        for path in Path(marker).parent.glob(f"{Path(marker).name}.rank*.json"):
+            try:
+                done += json.loads(path.read_text()).get("host") == host
+            except ValueError:  # being written
+                pass
+        if done >= mine:
+            return
+        time.sleep(0.1)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,29 +68,108 @@ def human_size(n: float) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """One checkpoint; a manager's pointer file (``latest``) verifies the checkpoint it names; a
+    root holding checkpoints verifies every committed one (exit 1 if any is damaged)."""
+    require_path(args.path)
+    target = _pointed_at(args.path)
+    if target is not None:
+        print(f"{args.path} -> {os.path.basename(target)}")
+        return 0 if _verify_one(target) else 1
+    steps = _committed_children(args.path)
+    if not steps:  # a checkpoint, or nothing the reader can name better
+        return 0 if _verify_one(args.path) else 1
+    bad = 0
+    for path in steps:
+        try:
+            ok = _verify_one(path)
+        except CheckpointError as e:  # one unreadable checkpoint does not stop the others
+            print(f"FAILED {path}: {e}", file=sys.stderr)
+            ok = False
+        bad += not ok
+    print(
+        f"{args.path}: {len(steps) - bad} of {plural(len(steps), 'committed checkpoint')} intact"
+        + (f", {bad} damaged" if bad else "")
+    )
+    return 1 if bad else 0
+
+
+def _verify_one(path: str) -> bool:
     from .reader import CheckpointReader
 
-    reader = CheckpointReader(args.path)
+    reader = CheckpointReader(path)
     with progress_bar(reader.manifest.total_bytes, "verify") as bar:
         report = reader.verify(progress=bar.update)
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
     if report.ok:
         print(
-            f"OK {args.path}: {plural(report.tensors, 'tensor')}, {plural(report.objects, 'object')}, "
+            f"OK {path}: {plural(report.tensors, 'tensor')}, {plural(report.objects, 'object')}, "
             f"{plural(report.bytes_checked, 'byte')} checked"
             + ("" if reader.manifest.digest is None else ", manifest digest matches")
         )
-        return 0
-    print(f"FAILED {args.path}: {plural(len(report.problems), 'problem')}", file=sys.stderr)
+        return True
+    print(f"FAILED {path}: {plural(len(report.problems), 'problem')}", file=sys.stderr)
     for p in report.problems:
         print(f"  {p}", file=sys.stderr)
-    return 1
+    return False
+
+
+def _pointed_at(path: str) -> str | None:
+    """The checkpoint a pointer file (a manager's ``latest``) names, or None if ``path`` is none."""
+    from .format import MANIFEST_NAME
+    from .storage import is_url
+
+    if is_url(path) or not os.path.isfile(path) or os.path.getsize(path) > 4096:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            name = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not name or "/" in name or os.sep in name or name in (".", ".."):
+        return None
+    target = os.path.join(os.path.dirname(path), name)
+    return target if os.path.isfile(os.path.join(target, MANIFEST_NAME)) else None
+
+
+def _committed_children(path: str) -> list[str] | None:
+    """The committed checkpoints directly under ``path`` (step order) when ``path`` is a root
+    rather than a checkpoint; None when it is (or may be) a checkpoint itself."""
+    from .format import MANIFEST_NAME
+    from .storage import storage_for
+
+    root = storage_for(path)
+    if not root.is_dir("") or root.exists(MANIFEST_NAME):
+        return None
+    names = [
+        n
+        for n in root.list_dir("")
+        if not n.startswith(".") and root.is_dir(n) and root.exists(f"{n}/{MANIFEST_NAME}")
+    ]
+    names.sort(key=lambda n: (_step_of(n) is None, _step_of(n) or 0, n))
+    sep = "/" if "://" in path else os.sep
+    return [f"{path.rstrip(sep)}{sep}{n}" for n in names]
+
+
+def _step_of(name: str) -> int | None:
+    match = re.search(r"(\d+)$", name)
+    return int(match.group(1)) if match else None
+
+
+def require_path(path: str) -> None:
+    """The one message for a local path that does not exist (object-store paths are left to
+    the readers, which say what is missing there)."""
+    from .errors import CheckpointNotFoundError
+    from .storage import is_url
+
+    if not is_url(path) and not os.path.lexists(path):
+        raise CheckpointNotFoundError(f"{path}: no such file or directory")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .convert import detect_format
 
+    require_path(args.path)
     fmt = detect_format(args.path)
     if fmt == "shardsafe":
         return _inspect_shardsafe(args)
@@ -144,7 +224,7 @@ def _inspect_shardsafe(args: argparse.Namespace) -> int:
     _print_rows(rows)
     for ukey in m.objects:
         print(f"  {ukey}  (object)")
-    lines = list(_common_lines(common, ""))
+    lines = list(_common_lines(common, "", set(m.tensors)))
     print(f"common state: {plural(len(lines), 'entry') if lines else 'none'}")
     for line in lines:
         print(f"  {line}")
@@ -160,14 +240,32 @@ def _describe_value(x: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _common_lines(tree: Any, path: str) -> Any:
-    """``path = value`` for each leaf of the common state (values shortened)."""
+class _TensorPlace:
+    """Shown where a list of the common state had a tensor (stored as a tensor key)."""
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+def _common_lines(tree: Any, path: str, tensor_keys: set[str]) -> Any:
+    """``path = value`` for each leaf of the common state (values shortened), without the
+    places tensors were taken from: a dict only tensors filled, a list's ``None`` placeholders
+    (shown as ``<tensor>`` beside other values)."""
     if isinstance(tree, dict) and tree:
         for k, v in tree.items():
-            yield from _common_lines(v, f"{path}.{k}" if path else str(k))
+            yield from _common_lines(v, f"{path}.{k}" if path else str(k), tensor_keys)
     elif isinstance(tree, dict):
-        if path:
+        if path and not any(k.startswith(f"{path}.") for k in tensor_keys):
             yield f"{path} = {{}}"
+    elif isinstance(tree, (list, tuple)) and any(
+        v is None and f"{path}.{i}" in tensor_keys for i, v in enumerate(tree)
+    ):
+        shown = [
+            _TensorPlace() if v is None and f"{path}.{i}" in tensor_keys else v
+            for i, v in enumerate(tree)
+        ]
+        if not all(isinstance(v, _TensorPlace) for v in shown):
+            yield f"{path} = {_describe_value(shown if isinstance(tree, list) else tuple(shown))}"
     else:
         yield f"{path or '(root)'} = {_describe_value(tree)}"
 
@@ -212,11 +310,13 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from .directory import parse_step
     from .errors import CorruptCheckpointError
     from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-    from .location import LOCK_SUFFIX, OLD_MARK, TMP_MARK
+    from .location import DAMAGED_SUFFIX, LOCK_SUFFIX, OLD_MARK, TMP_MARK
     from .storage import storage_for
 
+    require_path(args.root)
     root = storage_for(args.root)
     if not root.is_dir(""):
         raise CheckpointError(f"{args.root}: not a directory")
@@ -226,12 +326,25 @@ def cmd_ls(args: argparse.Namespace) -> int:
             [os.path.basename(os.path.normpath(args.root))],
             storage_for(os.path.dirname(os.path.abspath(args.root))),
         )
+    # a restore that found a committed checkpoint unloadable leaves a mark beside it
+    damaged = {
+        n[1 : -len(DAMAGED_SUFFIX)]
+        for n in names
+        if n.startswith(".") and n.endswith(DAMAGED_SUFFIX)
+    }
     rows = []
     now = time.time()
     for name in names:
         if name.endswith(LOCK_SUFFIX) or not root.is_dir(name):
             continue
         hidden = TMP_MARK in name or OLD_MARK in name
+        if not (
+            hidden
+            or parse_step(name) is not None
+            or root.exists(f"{name}/{MANIFEST_NAME}")
+            or root.is_dir(f"{name}/data")
+        ):
+            continue  # logs/, a tokenizer...: not a checkpoint, nor the remains of a save
         state, size, created = "committed", 0, None
         if root.exists(f"{name}/{MANIFEST_NAME}"):
             try:
@@ -245,6 +358,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 state = "corrupt"
             if hidden:
                 state = "uncommitted"
+            elif name in damaged:
+                state = "damaged"
         else:
             state = "uncommitted"
             size = sum(
@@ -309,7 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
         "ls",
         help="checkpoints under a root: step, committed or not, size, age",
         description="List the checkpoints under ROOT (or ROOT itself if it is one): step, "
-        "state (committed, uncommitted, corrupt), size and age.",
+        "state (committed; damaged: a restore could not load it and marked it; uncommitted: "
+        "the remains of a save; corrupt: an unreadable manifest), size and age. Other "
+        "directories are not listed.",
     )
     p.add_argument("root")
     p.add_argument("--json", action="store_true")
@@ -419,6 +536,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
+    with warnings.catch_warnings():  # what an export leaves out: one line each, no source
+        warnings.showwarning = _warning_line
+        return _run(args)
+
+
+def _warning_line(message: Any, category: Any, *_: Any, **__: Any) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.fn(args))
     except CheckpointError as e:
@@ -436,7 +563,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "safetensors" in str(e)
             else None
         )
-        hint = f"; install it with: pip install 'shardsafe[{extra}]'" if extra else ""
+        hint = (
+            f"; install the '{extra}' extra: pip install 'shardsafe[{extra}]' "
+            f"(from a clone of shardsafe: pip install '.[{extra}]')"
+            if extra
+            else ""
+        )
         print(f"error: {e}{hint}", file=sys.stderr)
         return 2
     except (OSError, ValueError, TypeError) as e:

@@ -20,8 +20,11 @@ from .errors import CheckpointError, CheckpointExistsError
 def cmd_diff(args: argparse.Namespace) -> int:
     import torch
 
+    from .cli import require_path
     from .convert import open_source
 
+    require_path(args.a)
+    require_path(args.b)
     a = open_source(args.a, trust=args.trust)
     b = open_source(args.b, trust=args.trust)
     ka, kb = set(a.tensor_keys()), set(b.tensor_keys())
@@ -61,8 +64,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 differing += 1
             if bad or args.all:
                 rows.append((key, "differs" if bad else "same", max_abs, max_rel))
-    ca, cb = a.common(), b.common()
-    # a format without common state (Hugging Face, say) is not a difference, only a note
+    from .convert.flatten import common_leaves
+
+    # compared leaf by leaf, so that an export (flat keys, DCP's dicts for lists) equals its
+    # source; a format without common state (Hugging Face, say) is not a difference, only a note
+    ca, cb = common_leaves(a.common(), ka), common_leaves(b.common(), kb)
     common_keys_differ = common_differences(ca, cb) if ca and cb else []
     common_differs = bool(common_keys_differ)
     if bool(ca) != bool(cb) and not args.json:
@@ -108,28 +114,19 @@ def _wide(t: Any) -> Any:
     return t.to(torch.complex128 if t.dtype.is_complex else torch.float64)
 
 
-def common_differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Where two common-state trees differ, by path: ``['x']['y'] differs``, ``only in A``..."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in list(a) + [k for k in b if k not in a]:
-            where = f"{path}[{k!r}]"
-            if k not in b:
-                out.append(f"{where} only in A")
-            elif k not in a:
-                out.append(f"{where} only in B")
-            else:
-                out.extend(common_differences(a[k], b[k], where))
-        return out
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [
-            d
-            for i, (x, y) in enumerate(zip(a, b, strict=True))
-            for d in common_differences(x, y, f"{path}[{i}]")
-        ]
-    if _plain(a) != _plain(b):
-        return [f"{path or '(root)'} differs: {_short(a)} vs {_short(b)}"]
-    return []
+def common_differences(a: dict[tuple[str, ...], Any], b: dict[tuple[str, ...], Any]) -> list[str]:
+    """Where two common states (as :func:`common_leaves`) differ, by path: ``['x']['y'] differs``,
+    ``only in A``..."""
+    out = []
+    for path in list(a) + [p for p in b if p not in a]:
+        where = "".join(f"[{c}]" if c.isdigit() else f"[{c!r}]" for c in path) or "(root)"
+        if path not in b:
+            out.append(f"{where} only in A")
+        elif path not in a:
+            out.append(f"{where} only in B")
+        elif _plain(a[path]) != _plain(b[path]):
+            out.append(f"{where} differs: {_short(a[path])} vs {_short(b[path])}")
+    return out
 
 
 def _short(x: Any) -> str:
@@ -163,6 +160,7 @@ def _plain(x: Any) -> Any:
 def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
+    from .cli import require_path
     from .convert import (
         SelectedSource,
         export_dcp,
@@ -172,8 +170,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         parse_rename_rules,
     )
     from .convert.native import export_shardsafe
+    from .convert.publish import refuse_overlap
     from .convert.source import total_nbytes
 
+    require_path(args.src)
+    refuse_overlap(args.src, args.dst)  # before anything is read or written
     source = open_source(args.src, trust=args.trust, fmt=args.source_format)
     rules: list[Any] = []
     for r in args.rename or []:

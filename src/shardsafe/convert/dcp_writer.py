@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .dcp import METADATA_FILE, is_dcp_checkpoint
 from .flatten import describe, drop_emptied, flatten_state, weights_only_tree
+from .publish import refuse_source_overlap, staged
 from .source import Progress, TensorSource, read_checked, tensor_nbytes, warn_unexported
 
 
@@ -32,23 +34,51 @@ class _SourcePlanner(DefaultSavePlanner):
         super().__init__()
         self._source, self._keys, self._progress = source, set(keys), progress
         self._total, self._done = total, 0
+        self.failure: CheckpointError | None = None
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         if index.fqn not in self._keys:
             return super().lookup_object(index)
-        tensor = read_checked(self._source, index.fqn)
+        try:
+            tensor = read_checked(self._source, index.fqn)
+        except CheckpointError as e:  # torch wraps it in a CheckpointException with a traceback
+            self.failure = e
+            raise
         self._done += tensor.nbytes
         if self._progress is not None:
             self._progress(self._done, self._total, index.fqn)
         return tensor
 
 
-def _clear(dst: Path) -> None:
-    for path in dst.iterdir():
-        if path.name == METADATA_FILE or (
-            path.name.startswith("__") and path.name.endswith((".distcp", ".metadata"))
-        ):
-            path.unlink()
+def _is_dcp_file(name: str) -> bool:
+    return name == METADATA_FILE or (
+        name.startswith("__") and name.endswith((".distcp", ".metadata"))
+    )
+
+
+def save_through(
+    state: dict[str, Any], dst: Path, planner: _SourcePlanner, *, single_file_per_rank: bool
+) -> None:
+    """``torch.distributed.checkpoint.save`` in this process; a source that fails to read
+    surfaces as its own CheckpointError, anything else torch raises as one line."""
+    writer = FileSystemWriter(dst, single_file_per_rank=single_file_per_rank)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            torch.distributed.checkpoint.save(
+                state, storage_writer=writer, planner=planner, no_dist=True
+            )
+    except (Exception, CheckpointException) as e:  # a BaseException, for all ranks' failures
+        if planner.failure is not None:
+            raise planner.failure from None
+        failures = getattr(e, "failures", None)
+        cause: Any = next(iter(failures.values()))[0] if failures else e
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        raise CorruptCheckpointError(
+            f"torch.distributed.checkpoint could not write the export: {type(cause).__name__}: {first}"
+        ) from None
 
 
 def export_dcp(
@@ -60,15 +90,15 @@ def export_dcp(
 ) -> Path:
     """Write ``source`` as a single-rank DCP checkpoint: every tensor under its key (unsharded),
     plus the common state flattened to ``a.b.c`` keys (values a weights-only load cannot read
-    back are skipped with a warning). One ``.distcp`` file per item keeps memory to one tensor."""
+    back are skipped with a warning). One ``.distcp`` file per item keeps memory to one tensor.
+    The files appear in ``dst_dir`` only once all are written; a destination that is, holds or
+    lies inside the source is refused."""
     dst = Path(dst_dir)
-    if is_dcp_checkpoint(dst):
-        if not overwrite:
-            raise CheckpointExistsError(
-                f"{dst} already holds a DCP checkpoint; pass overwrite=True to replace it"
-            )
-        _clear(dst)
-    dst.mkdir(parents=True, exist_ok=True)
+    refuse_source_overlap(source, dst)
+    if is_dcp_checkpoint(dst) and not overwrite:
+        raise CheckpointExistsError(
+            f"{dst} already holds a DCP checkpoint; pass overwrite=True to replace it"
+        )
 
     warn_unexported(source, "export_dcp")
     keys = source.tensor_keys()
@@ -100,12 +130,9 @@ def export_dcp(
 
     total = sum(tensor_nbytes(*source.tensor_meta(k)) for k in keys)
     planner = _SourcePlanner(source, keys, progress, total)
-    writer = FileSystemWriter(dst, single_file_per_rank=False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        torch.distributed.checkpoint.save(
-            state, storage_writer=writer, planner=planner, no_dist=True
-        )
+    # written beside, moved in once complete: a failed export leaves dst as it was
+    with staged(dst, _is_dcp_file, METADATA_FILE) as work:
+        save_through(state, work, planner, single_file_per_rank=False)
     return dst
 
 

@@ -7,7 +7,7 @@ all spell nested state this way, which is also how DCP itself flattens state dic
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -97,3 +97,26 @@ def weights_only_tree(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
 
 
 _DROP = object()
+
+
+def common_leaves(tree: Any, tensor_keys: Collection[str]) -> dict[tuple[str, ...], Any]:
+    """The leaves of a common-state tree by path, the way every format can be compared: dict
+    keys and list indices as strings, dotted keys split (a flat export's ``a.b`` is the source's
+    ``{'a': {'b'}}``, DCP's ``{0: ...}`` a list's ``[...]``), and without the places the
+    tensors were taken from (``None`` where a tensor key is, containers only tensors filled)."""
+    keys = {tuple(k.split(".")) for k in tensor_keys}
+    holders = {k[:i] for k in keys for i in range(1, len(k))}
+    out: dict[tuple[str, ...], Any] = {}
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        if isinstance(node, (Mapping, list, tuple)):
+            items = list(node.items() if isinstance(node, Mapping) else enumerate(node))
+            if not items and path and path not in holders:
+                out[path] = {} if isinstance(node, Mapping) else []
+            for k, v in items:
+                walk(v, path + tuple(str(k).split(".")))
+        elif not (node is None and path in keys):
+            out[path] = node
+
+    walk(tree, ())
+    return out

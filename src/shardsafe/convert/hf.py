@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +27,18 @@ from ..errors import (
 )
 from ..storage.local import read_checked as read_file
 from .errors import UnsupportedFormatError
+from .flatten import common_leaves
+from .publish import refuse_source_overlap, staged
 from .safetensors_io import SafetensorsFile, safetensors_dtype, write_safetensors
-from .select import RenameRules, SelectedSource, parse_rename_rules
-from .source import Progress, Shape, TensorSource, read_checked, tensor_nbytes
+from .select import RenameRules, SelectedSource, parse_rename_rules, strip_prefix
+from .source import Progress, Shape, TensorSource, read_checked, tensor_nbytes, warn_unexported
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 #: the files an export writes (and an overwrite replaces); others in the directory stay
 OWN_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+MAX_SHARD_SIZE = 2**60
+"""Larger shard sizes are refused as typos (an exabyte file)."""
 _UNITS = {
     "": 1,
     "B": 1,
@@ -55,13 +61,19 @@ def parse_size(size: int | str) -> int:
         value = size
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", size, re.IGNORECASE)
-        if match is None:
+        if match is None or len(match.group(1)) > 24:  # no arithmetic on 400 digits
+            shown = size if len(size) <= 40 else f"{size[:37]}..."
             raise IncompatibleRequestError(
-                f"cannot read {size!r} as a size; use e.g. 5GB, 500MB or 2GiB"
+                f"cannot read {shown!r} as a size; use e.g. 5GB, 500MB or 2GiB"
             )
-        value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+        value = int(Fraction(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
     if value <= 0:
         raise IncompatibleRequestError(f"a shard size must be positive, not {size!r}")
+    if value > MAX_SHARD_SIZE:
+        shown = str(size) if len(str(size)) <= 40 else f"{str(size)[:37]}..."
+        raise IncompatibleRequestError(
+            f"a shard size of {shown!r} is beyond any disk; use e.g. 5GB, 500MB or 2GiB"
+        )
     return value
 
 
@@ -97,8 +109,11 @@ def export_hf(
     ``prefix`` selects a sub-tree (removing the prefix), ``rename`` maps names (regex rules or
     a function), ``dtype`` casts floating-point tensors. Existing ``model*.safetensors`` files
     in ``dst_dir`` are replaced only with ``overwrite``; other files (``config.json``, tokenizer)
-    are left alone. Memory stays within about one tensor.
+    are left alone. Memory stays within about one tensor. The new files replace the old ones
+    only once all are written; the common (non-tensor) state has no place in safetensors and
+    is named in a warning.
     """
+    refuse_source_overlap(source, dst_dir)
     view = SelectedSource(source, prefix=prefix, rename=rename, dtype=dtype)
     entries = [(name, *view.tensor_meta(name)) for name in view.tensor_keys()]
     unsupported = [f"{n} ({d})" for n, _, d in entries if safetensors_dtype(d) is None]
@@ -109,12 +124,15 @@ def export_hf(
     limit = parse_size(max_shard_size)
 
     dst = Path(dst_dir)
-    dst.mkdir(parents=True, exist_ok=True)
-    stale = sorted(p for p in dst.iterdir() if OWN_FILES.fullmatch(p.name))
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointExistsError(f"{dst} is a file, not a folder; pick another path")
+    stale = sorted(p for p in dst.iterdir() if OWN_FILES.fullmatch(p.name)) if dst.is_dir() else []
     if stale and not overwrite:
         raise CheckpointExistsError(
             f"{dst} already holds {', '.join(p.name for p in stale)}; pass overwrite=True to replace them"
         )
+    _warn_common_dropped(source, prefix)
+    warn_unexported(source, "export_hf")
     shards = _plan_shards(entries, limit)
     names = (
         [SINGLE_FILE]
@@ -130,32 +148,50 @@ def export_hf(
         if progress is not None:
             progress(done, total, name)
 
-    written: list[Path] = []
-    for file_name, shard in zip(names, shards, strict=True):
-        # Within a file, wider elements first keeps every tensor aligned to its element size.
-        ordered = sorted(shard, key=lambda e: -e[2].itemsize)
-        tmp = dst / f".{file_name}.tmp-{os.getpid()}"
-        try:
-            write_safetensors(tmp, ordered, lambda n: read_checked(view, n), on_tensor=advance)
-            os.replace(tmp, dst / file_name)
-        finally:
-            tmp.unlink(missing_ok=True)
-        written.append(dst / file_name)
-    for path in stale:
-        if path.name not in names:
-            path.unlink()
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {
-                name: file
-                for file, shard in zip(names, shards, strict=True)
-                for name, _, _ in shard
-            },
-        }
-        (dst / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        written.append(dst / INDEX_FILE)
-    return written
+    with staged(
+        dst,
+        lambda n: OWN_FILES.fullmatch(n) is not None,
+        INDEX_FILE if len(shards) > 1 else SINGLE_FILE,
+    ) as work:
+        for file_name, shard in zip(names, shards, strict=True):
+            # Within a file, wider elements first keeps every tensor aligned to its element size.
+            ordered = sorted(shard, key=lambda e: -e[2].itemsize)
+            write_safetensors(
+                work / file_name, ordered, lambda n: read_checked(view, n), on_tensor=advance
+            )
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": {
+                    name: file
+                    for file, shard in zip(names, shards, strict=True)
+                    for name, _, _ in shard
+                },
+            }
+            (work / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [dst / n for n in names] + ([dst / INDEX_FILE] if len(shards) > 1 else [])
+
+
+def _warn_common_dropped(source: TensorSource, prefix: str | None) -> None:
+    """Name the common-state entries a safetensors folder cannot hold (never drop silently);
+    with a ``prefix``, those of the selected sub-tree."""
+    try:
+        leaves = common_leaves(source.common(), source.tensor_keys())
+    except RecursionError:
+        leaves = {("(common state)",): None}
+    # named down to the first list index: optim.param_groups, not each of its fields
+    short = {
+        ".".join(path[: next((i for i, c in enumerate(path) if c.isdigit()), None)]) or "(root)"
+        for path in leaves
+    }
+    names = sorted(n for n in short if prefix is None or strip_prefix(n, prefix) is not None)
+    if names:
+        shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+        warnings.warn(
+            f"export_hf: {len(names)} common (non-tensor) entr{'y' if len(names) == 1 else 'ies'} "
+            f"not exported, safetensors holds tensors only: {shown}",
+            stacklevel=3,
+        )
 
 
 MAX_INDEX_BYTES = 256 << 20

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 
 from ..errors import CheckpointExistsError, ValidationError
 from .dcp import MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE
-from .dcp_writer import _SourcePlanner
+from .dcp_writer import _SourcePlanner, save_through
+from .publish import refuse_source_overlap, staged
 from .source import Progress, TensorSource, tensor_nbytes
 
 MEGATRON_CONFIG = {
@@ -40,25 +39,23 @@ def export_megatron(
     progress: Progress | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write ``source`` as a Megatron-Core ``torch_dist`` checkpoint directory (one writer rank)."""
+    """Write ``source`` as a Megatron-Core ``torch_dist`` checkpoint directory (one writer rank).
+    The files appear in ``dst_dir`` only once all are written (``metadata.json`` last)."""
     dst = Path(dst_dir)
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite or not (dst / MEGATRON_CONFIG_FILE).is_file():
-            raise CheckpointExistsError(
-                f"{dst} is not empty"
-                + (
-                    "; pass --overwrite to replace the Megatron checkpoint there"
-                    if (dst / MEGATRON_CONFIG_FILE).is_file()
-                    else "; only an existing Megatron checkpoint is ever replaced: choose an empty or new directory"
-                )
+    refuse_source_overlap(source, dst)
+    if (
+        dst.exists()
+        and any(dst.iterdir())
+        and (not overwrite or not (dst / MEGATRON_CONFIG_FILE).is_file())
+    ):
+        raise CheckpointExistsError(
+            f"{dst} is not empty"
+            + (
+                "; pass --overwrite to replace the Megatron checkpoint there"
+                if (dst / MEGATRON_CONFIG_FILE).is_file()
+                else "; only an existing Megatron checkpoint is ever replaced: choose an empty or new directory"
             )
-        for path in dst.iterdir():
-            if path.is_file() and (
-                path.name in (".metadata", MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE)
-                or path.name.endswith(".distcp")
-            ):
-                path.unlink()
-    dst.mkdir(parents=True, exist_ok=True)
+        )
 
     keys = source.tensor_keys()
     state: dict[str, Any] = {}
@@ -81,20 +78,20 @@ def export_megatron(
     # one item per key, as Megatron writes: a ShardedObject's list must not be flattened into
     # "key.0.field" items
     planner.flatten_state_dict = False
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        torch.distributed.checkpoint.save(
-            state,
-            storage_writer=FileSystemWriter(dst, single_file_per_rank=True),
-            planner=planner,
-            no_dist=True,
-        )
     common = _without_sharded_places(
         dict(common) if isinstance(common, dict) else {"common": common}
     )
-    torch.save(common, dst / MEGATRON_COMMON_FILE)
-    (dst / MEGATRON_CONFIG_FILE).write_text(json.dumps(MEGATRON_CONFIG))
+    with staged(dst, _is_megatron_file, MEGATRON_CONFIG_FILE) as work:
+        save_through(state, work, planner, single_file_per_rank=True)
+        torch.save(common, work / MEGATRON_COMMON_FILE)
+        (work / MEGATRON_CONFIG_FILE).write_text(json.dumps(MEGATRON_CONFIG))
     return dst
+
+
+def _is_megatron_file(name: str) -> bool:
+    return name in (".metadata", MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE) or name.endswith(
+        ".distcp"
+    )
 
 
 def _without_sharded_places(tree: Any) -> Any:

@@ -24,6 +24,7 @@ from ..format import Extent, FileEntry, Manifest, StoredPiece, TensorEntry
 from ..location import locate
 from ..reader import CheckpointReader
 from ..save_target import abort, begin, file_name, work_dir
+from .publish import refuse_source_overlap
 from .source import Progress, TensorSource, read_checked, total_nbytes, warn_unexported
 
 
@@ -41,6 +42,7 @@ def export_shardsafe(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> Manifest:
     """Write every tensor of ``source`` (whole, one piece each) and its common state to ``dst``."""
+    refuse_source_overlap(source, dst)
     loc = locate(dst)
     token = uuid.uuid4().hex[:16]
     lease = begin(loc, token, overwrite)

@@ -51,12 +51,29 @@ def parse_rename_rules(text_or_file: str | os.PathLike[str]) -> list[tuple[re.Pa
                 f"rename rule on line {number} is not 'regex => replacement': {line!r}"
             )
         try:
-            rules.append((re.compile(pattern.strip()), replacement.strip()))
+            compiled = re.compile(pattern.strip())
         except re.error as e:
             raise IncompatibleRequestError(
                 f"rename rule on line {number}: bad regex {pattern.strip()!r} ({e})"
             ) from None
+        check_replacement(compiled, replacement.strip(), f"rename rule on line {number}")
+        rules.append((compiled, replacement.strip()))
     return rules
+
+
+def check_replacement(pattern: re.Pattern[str], replacement: str, where: str) -> None:
+    """Refuse a replacement that names a group the regex lacks (``\\9``, ``\\g<x>``) now,
+    not at the first matching key halfway through an export."""
+    # the same groups, and a match of the empty string, so expand() checks every reference
+    probe = re.compile(f"{pattern.pattern}|", pattern.flags).match("")
+    if probe is None:
+        return
+    try:
+        probe.expand(replacement)
+    except (re.error, IndexError) as e:
+        raise IncompatibleRequestError(
+            f"{where}: bad replacement {replacement!r} for {pattern.pattern!r} ({e})"
+        ) from None
 
 
 def rename_function(rename: RenameRules | None) -> Callable[[str], str | None]:
@@ -65,6 +82,8 @@ def rename_function(rename: RenameRules | None) -> Callable[[str], str | None]:
     if callable(rename):
         return rename
     compiled = [(re.compile(p) if isinstance(p, str) else p, r) for p, r in rename]
+    for pattern, replacement in compiled:
+        check_replacement(pattern, replacement, "rename rule")
 
     def apply(name: str) -> str | None:
         for pattern, replacement in compiled:

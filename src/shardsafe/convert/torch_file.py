@@ -26,6 +26,7 @@ from ..errors import (
 )
 from .errors import UnsupportedFormatError
 from .flatten import describe, drop_emptied, flatten_state
+from .publish import refuse_source_overlap
 from .safe_pickle import load_torch_payload
 from .source import (
     Progress,
@@ -78,6 +79,7 @@ def export_torch(
     could not read back are skipped with a warning). Memory stays within one tensor. The file
     appears only once complete; an existing one is replaced only with ``overwrite``."""
     dst = Path(dst_file)
+    refuse_source_overlap(source, dst)
     if dst.exists() and not overwrite:
         raise CheckpointExistsError(f"{dst} exists; pass overwrite=True to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
