@@ -184,3 +184,11 @@ def test_saver_prepare_sizes_the_largest_wave_under_a_budget():
     plain = shardsafe.Saver()  # a CPU state has nothing to page-lock
     assert plain.prepare(_state(1.0)) == 0 and plain.staging.allocations == 0
     plain.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what happens without a GPU")
+def test_without_a_gpu_prepare_locks_nothing():
+    saver = shardsafe.Saver()
+    assert saver.prepare(nbytes=1 << 20, wait=True) == 0
+    assert saver.staging.allocations == 0 and saver.staging.pinned_bytes == 0
+    saver.close()

@@ -179,12 +179,14 @@ class Saver:
         ``max_staging_bytes``). Pass the full state (an optimizer's state exists after its
         first step): a later save that needs more replaces the arena, locking again.
         ``wait=True`` returns once locked, raising :class:`StagingError` if locking failed.
+        Without a GPU, nothing is locked.
         """
         if nbytes is None:
             if sharded_state_dict is None:
                 raise ValueError("prepare() needs a state dict or nbytes")
             nbytes = self._pinned_need(sharded_state_dict)
-        self.staging.prepare(nbytes)
+        if self.staging.prepare(nbytes) is None:
+            return 0
         if wait:
             self.staging.wait_prepared()
         return nbytes

@@ -120,7 +120,10 @@ class PinnedArena:
         self.mapped_bytes = max(-(-nbytes // _PAGE) * _PAGE, _PAGE)
         self._pinning = pinning
         try:
-            self._map: mmap.mmap | None = mmap.mmap(-1, self.mapped_bytes)
+            # private, as memory from malloc is: page-locked in place, never shared on fork
+            self._map: mmap.mmap | None = mmap.mmap(
+                -1, self.mapped_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            )
         except OSError as e:
             raise StagingError(
                 f"cannot map {self.mapped_bytes} bytes of host memory to stage a save: {e}; "
@@ -244,7 +247,10 @@ class StagingPool:
     def prepare(self, nbytes: int) -> PinnedArena | None:
         """Start page-locking a pinned arena of at least ``nbytes`` in the background, if the
         one held is smaller; returns at once. A save that comes before the locking finished
-        waits only for the chunks its copies reach."""
+        waits only for the chunks its copies reach. Without a GPU there is nothing to lock
+        (with the default pinning): nothing happens."""
+        if isinstance(self.pinning, CudaHostRegister) and not torch.cuda.is_available():
+            return None
         with self._lock:
             return self._pinned_arena(nbytes) if nbytes > 0 else self._pinned
 
