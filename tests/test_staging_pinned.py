@@ -192,3 +192,10 @@ def test_without_a_gpu_prepare_locks_nothing():
     assert saver.prepare(nbytes=1 << 20, wait=True) == 0
     assert saver.staging.allocations == 0 and saver.staging.pinned_bytes == 0
     saver.close()
+
+
+def test_prepare_needs_a_state_or_a_size():
+    saver = shardsafe.Saver()
+    with pytest.raises(shardsafe.ValidationError, match="prepare"):
+        saver.prepare()
+    saver.close()

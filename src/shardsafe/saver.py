@@ -37,7 +37,7 @@ from .codec import tensor_bytes
 from .commit import finalize
 from .directio import DirectIO
 from .dist import Comm, get_comm, outcome, raise_for
-from .errors import call_each
+from .errors import ValidationError, call_each
 from .lease import LEASE_SECONDS
 from .location import locate
 from .save_plan import PlanCache, PlannedSave, plan_save
@@ -183,7 +183,7 @@ class Saver:
         """
         if nbytes is None:
             if sharded_state_dict is None:
-                raise ValueError("prepare() needs a state dict or nbytes")
+                raise ValidationError("Saver.prepare() needs the state dict to save, or nbytes")
             nbytes = self._pinned_need(sharded_state_dict)
         if self.staging.prepare(nbytes) is None:
             return 0
