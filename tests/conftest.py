@@ -1,12 +1,17 @@
 import ast
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the direct-I/O measurement of each file system is remembered here, not in the user's cache
+os.environ.setdefault(
+    "SHARDSAFE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"shardsafe-tests-{os.getuid()}")
+)
 
 from distributed import preload_forkserver
 from s3server import s3_bucket_url, s3_server, s3_url  # noqa: F401

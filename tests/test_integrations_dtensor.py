@@ -121,8 +121,33 @@ def _tp(seed, mesh):
 
 
 def _full(sd):
-    """Whole tensors as numpy arrays (tensors would travel back through shared memory)."""
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).numpy() for k, v in sd.items()}
+    """Whole tensors as numpy arrays (tensors would travel back through shared memory).
+
+    Collective: every rank calls it with the same keys."""
+    return {k: (_gathered(v) if hasattr(v, "to_local") else v).numpy() for k, v in sd.items()}
+
+
+def _gathered(dt):
+    """The whole tensor of DTensor ``dt``, assembled from every rank's local shard.
+
+    Each element's place comes from splitting an index tensor with torch's own split code for
+    ``dt``'s placements (:func:`_split_like_torch`), not from ``full_tensor()``: its
+    redistribution of ``_StridedShard`` fails on some torch releases (2.11)."""
+    import torch.distributed as dist
+
+    mesh = dt.device_mesh
+    index = torch.arange(dt.numel()).reshape(dt.shape)
+    local_index = _split_like_torch(index, mesh.shape, mesh.get_coordinate(), dt.placements)
+    mine = (local_index.reshape(-1).cpu(), dt.to_local().detach().reshape(-1).cpu())
+    pieces: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, mine)
+    full = torch.zeros(dt.numel(), dtype=dt.dtype)
+    covered = torch.zeros(dt.numel(), dtype=torch.bool)
+    for idx, values in pieces:
+        full[idx] = values
+        covered[idx] = True
+    assert bool(covered.all()), "the local shards do not cover the whole tensor"
+    return full.reshape(dt.shape)
 
 
 def _two_ranks(rank, world, root):

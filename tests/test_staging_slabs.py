@@ -1,9 +1,36 @@
 """Staging a non-contiguous view in slabs: bounded temporaries, exact bytes, every shape."""
 
+import mmap
+
 import pytest
 import torch
 
-from shardsafe.staging import StagingPool, _copy_bytes, _copy_device_slab, copy_in_slabs, slabs
+from shardsafe.staging import (
+    PinnedArena,
+    StagingPool,
+    _copy_bytes,
+    copy_in_slabs,
+    pinned_copy,
+    slabs,
+)
+
+
+class NoPinning:
+    """Page-locking left out: the pinned arena's copies without a GPU."""
+
+    def register(self, address: int, nbytes: int) -> None:
+        pass
+
+    def unregister(self, address: int) -> None:
+        pass
+
+
+def _device_slab_copy():
+    """The copy the CUDA path runs, into a pinned arena whose chunks are one page each; the
+    destination starts 100 bytes before a chunk boundary, so copies are cut there."""
+    arena = PinnedArena(8 * mmap.PAGESIZE, NoPinning(), chunk_bytes=mmap.PAGESIZE)
+    arena.wait()
+    return arena, pinned_copy(arena)
 
 
 def _c_bytes(t: torch.Tensor) -> bytes:
@@ -50,14 +77,18 @@ def test_device_slab_copy_on_cpu_is_exact_and_bounded(name, bound):
     """The function the CUDA path runs, on CPU: each slab made contiguous, then copied."""
     t = _views()[name]
     temporaries = []
+    arena, copy = _device_slab_copy()
 
     def device_style(dst, src):
         temporaries.append(src.numel() * src.element_size() if not src.is_contiguous() else 0)
-        _copy_device_slab(dst, src)
+        copy(dst, src)
 
-    dst = torch.full((t.numel() * t.element_size(),), 0xAB, dtype=torch.uint8)
+    start = mmap.PAGESIZE - 100
+    dst = arena.tensor[start : start + t.numel() * t.element_size()]
+    dst.fill_(0xAB)
     copy_in_slabs(t, dst, bound, device_style)
     assert dst.numpy().tobytes() == _c_bytes(t)
+    arena.release()
     assert max(temporaries, default=0) <= max(bound, t.element_size())
 
 
@@ -73,11 +104,14 @@ def test_big_transposed_tensor_is_cut_into_slabs_of_the_bound():
     t = torch.randn(512, 384).t()  # 768 KiB, non-contiguous
     sizes = []
 
+    arena = PinnedArena(t.numel() * 4, NoPinning(), chunk_bytes=mmap.PAGESIZE)
+    copy = pinned_copy(arena)
+
     def record(dst, src):
         sizes.append(src.numel() * 4)
-        _copy_device_slab(dst, src)
+        copy(dst, src)
 
-    dst = torch.empty(t.numel() * 4, dtype=torch.uint8)
+    dst = arena.tensor[: t.numel() * 4]
     copy_in_slabs(t, dst, 64 << 10, record)
     assert dst.numpy().tobytes() == _c_bytes(t)
     assert sizes == [64 << 10] * 12  # 32 rows of 2 KiB per slab
@@ -101,12 +135,17 @@ def test_pool_stages_cpu_views_through_the_slab_code(slab_bytes):
 def test_cuda_views_are_staged_exactly_with_one_slab_of_device_memory():
     base = torch.randn(64, 1024, 257, device="cuda")  # 64 MiB
     views = [base.transpose(0, 2), base[:, ::2], base[3], base[:, :, 5], base[:0]]
-    pool = StagingPool(slab_bytes=1 << 20)
+    expected = [_c_bytes(t.cpu()) for t in views]  # before the peak is reset: `.cpu()` of a
+    # strided view makes a contiguous device temporary of its own
+    pool = StagingPool(slab_bytes=1 << 20, chunk_bytes=1 << 20)  # copies cut at chunk ends
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     staged = pool.stage(views)
-    for t, item in zip(views, staged, strict=True):
-        assert bytes(item.ready()) == _c_bytes(t.cpu())
+    got = [bytes(item.ready()) for item in staged]
     assert torch.cuda.max_memory_allocated() - before <= 2 << 20
+    assert got == expected
+    share = sum(t.numel() * t.element_size() for t in views)
+    pool.wait_prepared()
+    assert share <= pool.pinned_bytes <= 1.05 * share  # page-locked in place, not 2**k
     pool.release()

@@ -270,9 +270,11 @@ class Flaky:
 
 
 def s3_error(status: int, code: str) -> BaseException:
-    """What s3fs raises for an S3 error reply: a translated OSError caused by a ClientError."""
-    from botocore.exceptions import ClientError
-    from s3fs.errors import translate_boto_error
+    """What s3fs raises for an S3 error reply: a translated OSError caused by a ClientError.
+
+    Skips the calling test where s3fs (and its botocore) is not installed."""
+    ClientError = pytest.importorskip("botocore.exceptions").ClientError
+    translate_boto_error = pytest.importorskip("s3fs.errors").translate_boto_error
 
     reply: Any = {
         "Error": {"Code": code, "Message": code},

@@ -15,6 +15,7 @@ from .errors import (
     IncompatibleRequestError,
     IncompleteCheckpointError,
     MissingKeyError,
+    StagingError,
     ValidationError,
     call_each,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "ShardedObject",
     "ShardedTensor",
     "ShardedTensorFactory",
+    "StagingError",
     "ValidationError",
     "__version__",
     "async_save",

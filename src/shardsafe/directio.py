@@ -1,9 +1,10 @@
 """Direct I/O for data files: writes that bypass the page cache, reads that use what it holds.
 
-Async saves write from the page-aligned staging arena with ``O_DIRECT`` (no copy into cache
-pages, no page-cache growth under the training job); large reads take the cached part of a
-file normally and the rest with ``O_DIRECT``, straight into aligned destinations. File
-systems that refuse direct I/O fall back to buffered I/O by themselves.
+Where the file system's measured behaviour says it pays (:mod:`.io_policy`), async saves write
+from the page-aligned staging arena with ``O_DIRECT`` (no copy into cache pages, no page-cache
+growth under the training job), and large reads take the cached part of a file normally and
+the rest with ``O_DIRECT``, straight into aligned destinations. File systems that refuse
+direct I/O fall back to buffered I/O by themselves.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from .codec import array_view
 from .errors import ValidationError
 from .format import LARGE_ITEM
+from .io_policy import DeviceProbe, Policy
 from .storage.base import ByteWriter, FileReader, Storage
 
 ENV_VAR = "SHARDSAFE_DIRECT_IO"
@@ -37,14 +39,17 @@ def direct_io_mode(option: str | None = None) -> str:
     """The direct-I/O mode: ``option`` when given, else ``SHARDSAFE_DIRECT_IO`` read now
     (default ``auto``); always ``never`` where the platform has no ``O_DIRECT``.
 
-    ``auto`` writes a file with ``O_DIRECT`` when its large items sit in page-aligned memory:
-    the host staging arena of an async save. Those bytes then go from the arena to the device
-    without a copy, and the background writer neither spends CPU copying them into cache
-    pages nor grows the page cache under the training job. A blocking save writes from the
-    tensors themselves through the page cache, which keeps the new checkpoint cached for an
-    immediate reload. Reads take what the page cache holds from it and the rest of a large
-    read with ``O_DIRECT``, instead of filling cache pages with bytes read once. ``always``
-    writes every local data file direct; ``never`` turns direct I/O off for writes and reads.
+    ``auto`` uses direct I/O where the file system's measured behaviour says it pays
+    (:mod:`.io_policy`: a probe, once per file system, remembered in a cache file). Where a
+    direct write is no slower than a buffered one with ``fsync``, a file is written with
+    ``O_DIRECT`` when its large items sit in page-aligned memory: the host staging arena of
+    an async save. Those bytes then go from the arena to the device without a copy, and the
+    background writer neither spends CPU copying them into cache pages nor grows the page
+    cache under the training job. A blocking save writes from the tensors themselves through
+    the page cache, which keeps the new checkpoint cached for an immediate reload. Where a
+    cold direct read is faster than a buffered one, reads take what the page cache holds and
+    the rest of a large read with ``O_DIRECT``. ``always`` writes every local data file and
+    reads every uncached part direct; ``never`` turns direct I/O off for writes and reads.
     File systems that refuse direct I/O fall back to buffered I/O by themselves.
     """
     raw = os.environ.get(ENV_VAR, "auto") if option is None else option
@@ -130,23 +135,44 @@ class DirectIO:
     """The direct-I/O policy of one Saver or load, and the bounce buffers it reuses.
 
     ``mode`` is ``"auto"``, ``"always"`` or ``"never"``; None reads ``SHARDSAFE_DIRECT_IO``
-    now (see :func:`direct_io_mode`). ``close`` frees the buffers; the object stays usable.
+    now (see :func:`direct_io_mode`). In ``auto``, ``probe`` (a :class:`DeviceProbe` on the
+    default cache file unless given) says per file system whether direct writes and reads
+    pay. ``close`` frees the buffers; the object stays usable.
     """
 
-    def __init__(self, mode: str | None = None) -> None:
+    def __init__(self, mode: str | None = None, probe: DeviceProbe | None = None) -> None:
         self.mode = direct_io_mode(mode)
+        self.probe = probe if probe is not None else DeviceProbe()
         self.pool = BouncePool()
+
+    def policy(self, storage: Storage, writing: bool = False) -> Policy:
+        """What direct I/O does on ``storage``'s file system in this mode; in ``auto``, only a
+        save (``writing``) measures a file system not measured yet."""
+        if self.mode == "never" or not storage.direct_io:
+            return Policy(False, False)
+        if self.mode == "always":
+            return Policy(True, True)
+        root = _existing(storage.path(""))  # type: ignore[attr-defined]
+        return self.probe.policy(root, may_measure=writing)
 
     def wants(self, storage: Storage, items: Sequence[tuple[Any, memoryview | bytes]]) -> bool:
         """Whether to write these items with direct I/O."""
-        return wants_direct(storage, items, self.mode)
+        return wants_direct(storage, items, self.mode) and self.policy(storage, True).writes
 
     def reads(self, storage: Storage) -> bool:
         """Whether reads of ``storage``'s data files may bypass the page cache."""
-        return self.mode != "never" and storage.direct_io
+        return self.policy(storage).reads
 
     def close(self) -> None:
         self.pool.clear()
+
+
+def _existing(path: str) -> str:
+    """``path``, or its nearest existing ancestor (a save's directory may not exist yet)."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 class DirectWriter:

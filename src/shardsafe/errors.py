@@ -56,6 +56,10 @@ class MissingKeyError(IncompatibleRequestError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class StagingError(CheckpointError, MemoryError):
+    """Host memory to stage a save's device tensors could not be set up (page-locking failed)."""
+
+
 class DistributedError(CheckpointError, RuntimeError):
     """One or more ranks failed or did not answer in time; raised on every rank."""
 

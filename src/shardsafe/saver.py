@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -37,15 +37,16 @@ from .codec import tensor_bytes
 from .commit import finalize
 from .directio import DirectIO
 from .dist import Comm, get_comm, outcome, raise_for
-from .errors import call_each
+from .errors import ValidationError, call_each
 from .lease import LEASE_SECONDS
 from .location import locate
 from .save_plan import PlanCache, PlannedSave, plan_save
+from .save_plan import prepare as split_pieces
 from .save_target import abort
 from .save_write import ShareItems, encode_share, merge_results, waves, write_share
 from .sharding import ShardedTensor
 from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
-from .staging import StagingPool
+from .staging import StagingPool, staged_bytes
 
 log = logging.getLogger("shardsafe")
 
@@ -160,6 +161,52 @@ class Saver:
         self._inflight: AsyncSaveHandle | None = None
         self._lock = threading.Lock()
         self._clients: StoreClients | None = None  # connections of the commit protocol
+
+    # -- ahead of the first save -------------------------------------------------------------
+    def prepare(
+        self, sharded_state_dict: Any = None, *, nbytes: int | None = None, wait: bool = False
+    ) -> int:
+        """Page-lock ahead, in a background thread, the host memory that async saves of
+        ``sharded_state_dict`` will stage its device tensors into; returns the bytes being
+        locked (0 when it holds no device tensor). Not collective, no I/O.
+
+        Locking runs at a few GB/s; done here, off the training's critical path, the first
+        ``async_save`` blocks only for its copies (a save that comes before the locking has
+        finished waits for the chunks its copies reach). The size is this rank's share when
+        a plan of this structure is cached (after a first save), otherwise every device
+        tensor this rank holds: more than its share only where tensors are replicated across
+        ranks. Give ``nbytes`` instead to lock a size of your choice (e.g.
+        ``max_staging_bytes``). Pass the full state (an optimizer's state exists after its
+        first step): a later save that needs more replaces the arena, locking again.
+        ``wait=True`` returns once locked, raising :class:`StagingError` if locking failed.
+        Without a GPU, nothing is locked.
+        """
+        if nbytes is None:
+            if sharded_state_dict is None:
+                raise ValidationError("Saver.prepare() needs the state dict to save, or nbytes")
+            nbytes = self._pinned_need(sharded_state_dict)
+        if self.staging.prepare(nbytes) is None:
+            return 0
+        if wait:
+            self.staging.wait_prepared()
+        return nbytes
+
+    def _pinned_need(self, sharded_state_dict: Any) -> int:
+        """Pinned arena bytes a save of this state stages at once (its largest wave)."""
+        comm = get_comm(self.process_group)
+        split, local = split_pieces(sharded_state_dict, comm.rank)
+        pieces: Sequence[int] = range(len(split.tensors))
+        entry = self.plan_cache.entry if self.plan_cache is not None else None
+        if entry is not None and entry.structure == (
+            f"{comm.world_size}/{comm.rank}/{local.structure_hash()}"
+        ):
+            pieces = entry.assignment.pieces
+        size = {i: local.pieces[i].nbytes for i in pieces}
+        pinned = {
+            i for i in pieces if _data(split.tensors[i][1]).device.type in self.staging.pin_devices
+        }
+        groups = waves(list(size.items()), self.max_staging_bytes)
+        return max(staged_bytes([size[i] for i in g if i in pinned]) for g in groups)
 
     # -- blocking save -----------------------------------------------------------------------
     def save(

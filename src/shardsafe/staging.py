@@ -1,38 +1,50 @@
 """Host staging buffers, allocated once and reused across saves.
 
 An async save copies every piece it must write into host memory before it returns; the
-training loop may then change its tensors. Buffers live in an arena that grows only when a
+training loop may then change its tensors. Buffers live in arenas that grow only when a
 save needs more than any earlier one, so repeated saves of the same structure allocate
-nothing. GPU tensors go to pinned memory through a side CUDA stream; the training stream
-is made to wait for those copies on the GPU, so the CPU returns without waiting.
+nothing. GPU tensors go to page-locked ("pinned") memory through a side CUDA stream; the
+training stream is made to wait for those copies on the GPU, so the CPU returns without
+waiting.
 
 A non-contiguous device view is gathered in slabs (:func:`copy_in_slabs`): each slab of at
 most ``slab_bytes`` is made contiguous on the device and copied to its place in the arena, so
 staging never needs a device copy of a whole tensor on top of the training's own memory.
 
-Cost of the pinned arena: the first save that stages device tensors pins as many bytes as its
-largest wave (the whole share without ``max_staging_bytes``) inside the blocking window, through
-torch's caching host allocator, which rounds a request up to a power of two below its rounding
-threshold. Later saves of no more bytes reuse it; :meth:`StagingPool.release` frees it and
-empties that allocator's cache so the memory goes back to the system.
+The pinned arena (:class:`PinnedArena`) is one anonymous memory map of exactly the bytes
+needed (rounded up to a page), page-locked in place in chunks of ``chunk_bytes`` with
+``cudaHostRegister`` by a background thread, and unlocked on :meth:`StagingPool.release`.
+torch's caching host allocator would round a request up to a power of two (a 2.07 GiB
+share pinned 4 GiB) and lock it all inside the first save; here pinned bytes are the
+share, and locking, which runs at a few GB/s, can be done ahead with
+:meth:`StagingPool.prepare`. A copy into a chunk waits for that chunk only, so a save that
+finds the arena still being locked overlaps its copies with the rest of the locking. A
+device copy never spans two chunks (:func:`chunk_spans`): each lands in memory that one
+registration covers. The page-locking itself sits behind :class:`Pinning`, so the chunking,
+the background thread and the accounting run on machines without a GPU too.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from .codec import array_view, tensor_bytes
+from .errors import StagingError
 
 _ALIGN = 64
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
 _LARGE = 64 << 10
 #: device memory a non-contiguous view may take while it is staged (one slab at a time)
 SLAB_BYTES = 64 << 20
+#: bytes page-locked by one ``cudaHostRegister`` call; copies wait for their chunk only
+PIN_CHUNK_BYTES = 256 << 20
 
 
 def _aligned(n: int) -> int:
@@ -42,6 +54,148 @@ def _aligned(n: int) -> int:
     writer can hand the staged bytes to direct I/O without another copy.
     """
     return -(-n // _PAGE) * _PAGE if n >= _LARGE else -(-n // _ALIGN) * _ALIGN
+
+
+def staged_bytes(sizes: Sequence[int]) -> int:
+    """Pure: arena bytes that items of ``sizes`` take, laid out as :meth:`StagingPool.stage`
+    lays them out."""
+    return sum(_aligned(s) for s in sizes)
+
+
+def chunk_spans(offset: int, length: int, chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """Pure: the bytes ``[offset, offset + length)`` of an arena cut at its chunk boundaries.
+
+    Returns ``(chunk index, start, stop)`` with ``start``/``stop`` relative to ``offset``, so
+    each part of a copy lands inside one page-locked registration.
+    """
+    out = []
+    pos = offset
+    end = offset + length
+    while pos < end:
+        chunk = pos // chunk_bytes
+        stop = min(end, (chunk + 1) * chunk_bytes)
+        out.append((chunk, pos - offset, stop - offset))
+        pos = stop
+    return out
+
+
+class Pinning(Protocol):
+    """How host memory is page-locked in place: the one seam between the arena's logic and
+    the CUDA driver."""
+
+    def register(self, address: int, nbytes: int) -> None: ...
+
+    def unregister(self, address: int) -> None: ...
+
+
+class CudaHostRegister:
+    """Page-locks memory in place with ``cudaHostRegister`` (portable to every device's
+    context): exactly the bytes asked for."""
+
+    _PORTABLE = 1  # cudaHostRegisterPortable
+
+    def register(self, address: int, nbytes: int) -> None:
+        torch.cuda.check_error(
+            torch.cuda.cudart().cudaHostRegister(address, nbytes, self._PORTABLE)
+        )
+
+    def unregister(self, address: int) -> None:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))
+
+
+class PinnedArena:
+    """``nbytes`` of host memory, page-locked chunk by chunk by a background thread.
+
+    The memory is an anonymous map of ``nbytes`` rounded up to a page; chunk ``k`` covers
+    ``[k * chunk_bytes, (k + 1) * chunk_bytes)``. :meth:`wait_chunk` blocks until a chunk is
+    locked (or raises what locking raised); :meth:`release` stops the thread, unlocks what
+    was locked and drops the memory (freed once no staged view refers to it any more).
+    """
+
+    def __init__(self, nbytes: int, pinning: Pinning, chunk_bytes: int = PIN_CHUNK_BYTES) -> None:
+        if chunk_bytes <= 0 or chunk_bytes % _PAGE:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {_PAGE}: {chunk_bytes}")
+        self.nbytes = nbytes
+        self.chunk_bytes = chunk_bytes
+        self.mapped_bytes = max(-(-nbytes // _PAGE) * _PAGE, _PAGE)
+        self._pinning = pinning
+        try:
+            # private, as memory from malloc is: page-locked in place, never shared on fork
+            self._map: mmap.mmap | None = mmap.mmap(
+                -1, self.mapped_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            )
+        except OSError as e:
+            raise StagingError(
+                f"cannot map {self.mapped_bytes} bytes of host memory to stage a save: {e}; "
+                "set max_staging_bytes to stage in smaller waves"
+            ) from None
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.address = self.tensor.data_ptr()
+        self.chunks = [
+            (off, min(chunk_bytes, self.mapped_bytes - off))
+            for off in range(0, self.mapped_bytes, chunk_bytes)
+        ]
+        self.pinned_bytes = 0  # bytes locked now
+        self._locked = 0  # chunks locked, in order
+        self._error: BaseException | None = None
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._lock_all, name="shardsafe-pin", daemon=True)
+        self._thread.start()
+
+    def _lock_all(self) -> None:
+        for off, size in self.chunks:
+            with self._cond:
+                if self._stop:
+                    return
+            try:
+                self._pinning.register(self.address + off, size)
+            except BaseException as e:
+                with self._cond:
+                    self._error = StagingError(
+                        f"cannot page-lock {size} bytes of host staging memory "
+                        f"({self.pinned_bytes} of {self.mapped_bytes} locked so far): {e}; set "
+                        "max_staging_bytes to stage in smaller waves, or free host memory"
+                    )
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._locked += 1
+                self.pinned_bytes += size
+                self._cond.notify_all()
+
+    def wait_chunk(self, index: int) -> None:
+        """Block until chunk ``index`` is page-locked."""
+        with self._cond:
+            while self._locked <= index and self._error is None:
+                self._cond.wait()
+            if self._locked <= index:
+                assert self._error is not None
+                raise self._error
+
+    def wait(self) -> None:
+        """Block until every chunk is page-locked."""
+        self.wait_chunk(len(self.chunks) - 1)
+
+    @property
+    def ready(self) -> bool:
+        with self._cond:
+            return self._locked == len(self.chunks)
+
+    def release(self) -> None:
+        """Stop locking, unlock every locked chunk, drop this arena's reference to the memory."""
+        with self._cond:
+            self._stop = True
+        self._thread.join()
+        try:
+            for off, size in self.chunks[: self._locked]:
+                self._pinning.unregister(self.address + off)
+                self.pinned_bytes -= size
+        finally:
+            self._locked = 0
+            # the map itself is unmapped when the last staged view of it is gone
+            del self.tensor
+            self._map = None
 
 
 @dataclass
@@ -58,28 +212,76 @@ class StagedItem:
 
 
 class StagingPool:
-    """Reusable host arenas: one plain (CPU sources), one pinned (CUDA sources)."""
+    """Reusable host arenas: one plain (CPU sources), one pinned (CUDA sources).
 
-    def __init__(self, slab_bytes: int = SLAB_BYTES) -> None:
+    ``pin_devices`` names the device types staged through the pinned arena and ``pinning``
+    how it is page-locked (``cudaHostRegister`` by default); both exist so the pinned
+    arena's logic can run where there is no GPU.
+    """
+
+    def __init__(
+        self,
+        slab_bytes: int = SLAB_BYTES,
+        *,
+        chunk_bytes: int = PIN_CHUNK_BYTES,
+        pinning: Pinning | None = None,
+        pin_devices: Collection[str] = ("cuda",),
+    ) -> None:
         self.slab_bytes = slab_bytes
-        self._arenas: dict[bool, torch.Tensor] = {}
+        self.chunk_bytes = chunk_bytes
+        self.pinning: Pinning = pinning if pinning is not None else CudaHostRegister()
+        self.pin_devices = frozenset(pin_devices)
+        self._arenas: dict[bool, torch.Tensor] = {}  # the plain arena, under False
+        self._pinned: PinnedArena | None = None
         self._lock = threading.Lock()
         self.allocations = 0
         self.allocated_bytes = 0
         self._streams: dict[int, torch.cuda.Stream] = {}
 
-    def _arena(self, pinned: bool, nbytes: int) -> torch.Tensor:
-        arena = self._arenas.get(pinned)
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked now."""
+        arena = self._pinned
+        return arena.pinned_bytes if arena is not None else 0
+
+    def prepare(self, nbytes: int) -> PinnedArena | None:
+        """Start page-locking a pinned arena of at least ``nbytes`` in the background, if the
+        one held is smaller; returns at once. A save that comes before the locking finished
+        waits only for the chunks its copies reach. Without a GPU there is nothing to lock
+        (with the default pinning): nothing happens."""
+        if isinstance(self.pinning, CudaHostRegister) and not torch.cuda.is_available():
+            return None
+        with self._lock:
+            return self._pinned_arena(nbytes) if nbytes > 0 else self._pinned
+
+    def wait_prepared(self) -> None:
+        """Block until the pinned arena (if any) is page-locked; raises what locking raised."""
+        arena = self._pinned
+        if arena is not None:
+            arena.wait()
+
+    def _pinned_arena(self, nbytes: int) -> PinnedArena:
+        arena = self._pinned
+        if arena is None or arena.nbytes < nbytes:
+            if arena is not None:  # dropped before the bigger one is mapped: no peak of both
+                self._pinned = None
+                self.allocated_bytes -= arena.nbytes
+                arena.release()
+            arena = self._pinned = PinnedArena(nbytes, self.pinning, self.chunk_bytes)
+            self.allocations += 1
+            self.allocated_bytes += nbytes
+        return arena
+
+    def _plain_arena(self, nbytes: int) -> torch.Tensor:
+        arena = self._arenas.get(False)
         if arena is None or arena.numel() < nbytes:
             if arena is not None:  # dropped before the bigger one is allocated: no peak of both
                 self.allocated_bytes -= arena.numel()
-                del self._arenas[pinned], arena
-                if pinned:
-                    _empty_host_cache()
-            raw = torch.empty(max(nbytes, 1) + _PAGE, dtype=torch.uint8, pin_memory=pinned)
+                del self._arenas[False], arena
+            raw = torch.empty(max(nbytes, 1) + _PAGE, dtype=torch.uint8)
             start = -raw.data_ptr() % _PAGE  # page-aligned start (see _aligned)
             arena = raw[start : start + max(nbytes, 1)]
-            self._arenas[pinned] = arena
+            self._arenas[False] = arena
             self.allocations += 1
             self.allocated_bytes += arena.numel()
         return arena
@@ -88,31 +290,38 @@ class StagingPool:
         """Copy ``tensors`` into the arenas; returns their staged bytes in order."""
         with self._lock:
             sizes = [t.numel() * t.element_size() for t in tensors]
-            cuda = [t.device.type == "cuda" for t in tensors]
+            pinned = [t.device.type in self.pin_devices for t in tensors]
             need = {
-                p: sum(_aligned(s) for s, c in zip(sizes, cuda, strict=True) if c == p)
+                p: staged_bytes([s for s, q in zip(sizes, pinned, strict=True) if q == p])
                 for p in (False, True)
             }
-            arenas = {
-                p: self._arena(p, need[p])
-                for p in (False, True)
-                if need[p] or any(c == p for c in cuda)
-            }
+            plain = self._plain_arena(need[False]) if not all(pinned) else None
+            arena = self._pinned_arena(need[True]) if any(pinned) else None
             offsets = {False: 0, True: 0}
             out: list[StagedItem] = []
-            for t, size, is_cuda in zip(tensors, sizes, cuda, strict=True):
-                start = offsets[is_cuda]
-                offsets[is_cuda] += _aligned(size)
-                dst = arenas[is_cuda][start : start + size]
-                if is_cuda:
-                    out.append(self._stage_cuda(t, dst))
+            for t, size, is_pinned in zip(tensors, sizes, pinned, strict=True):
+                start = offsets[is_pinned]
+                offsets[is_pinned] += _aligned(size)
+                if is_pinned:
+                    assert arena is not None
+                    out.append(self._stage_pinned(t, arena, start, size))
                 else:
+                    assert plain is not None
+                    dst = plain[start : start + size]
                     if size:
                         copy_in_slabs(t.detach(), dst, self.slab_bytes, _copy_bytes)
                     out.append(StagedItem(array_view(dst.numpy())))
             return out
 
-    def _stage_cuda(self, t: torch.Tensor, dst: torch.Tensor) -> StagedItem:
+    def _stage_pinned(
+        self, t: torch.Tensor, arena: PinnedArena, start: int, size: int
+    ) -> StagedItem:
+        dst = arena.tensor[start : start + size]
+        copy = pinned_copy(arena)
+        if t.device.type != "cuda":
+            if size:
+                copy_in_slabs(t.detach(), dst, self.slab_bytes, copy)
+            return StagedItem(array_view(dst.numpy()))
         device = t.device
         stream = self._streams.get(device.index or 0)
         if stream is None:
@@ -123,7 +332,7 @@ class StagingPool:
         # a freed slab's memory to the next slab only after the copies queued before it.
         with torch.cuda.stream(stream):
             if t.numel():
-                copy_in_slabs(t.detach(), dst, self.slab_bytes, _copy_device_slab)
+                copy_in_slabs(t.detach(), dst, self.slab_bytes, copy)
             event = torch.cuda.Event()
             event.record(stream)
         main.wait_stream(stream)  # later training kernels cannot overwrite before the copy is done
@@ -131,22 +340,13 @@ class StagingPool:
         return StagedItem(array_view(dst.numpy()), event)
 
     def release(self) -> None:
-        """Free the arenas (the next save allocates again) and return the pinned memory to the
-        system: torch's caching host allocator keeps freed pinned blocks otherwise."""
+        """Free the arenas (the next save allocates again) and unlock the pinned memory."""
         with self._lock:
-            pinned = True in self._arenas
+            arena, self._pinned = self._pinned, None
             self._arenas.clear()
             self.allocated_bytes = 0
-            if pinned:
-                _empty_host_cache()
-
-
-def _empty_host_cache() -> None:
-    """Give the pinned blocks torch's caching host allocator keeps (ours, now unreferenced)
-    back to the system."""
-    empty = getattr(torch._C, "_host_emptyCache", None)
-    if callable(empty) and torch.cuda.is_initialized():
-        empty()
+            if arena is not None:
+                arena.release()
 
 
 def slabs(
@@ -202,10 +402,20 @@ def copy_in_slabs(src: torch.Tensor, dst: torch.Tensor, max_bytes: int, copy: Sl
         copy(dst[offset : offset + length], src[index])
 
 
-def _copy_device_slab(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """One slab of a device tensor into pinned memory: contiguous on the device (at most one
-    slab of temporary memory), then one asynchronous copy to the host."""
-    dst.copy_(_flat_bytes(src.contiguous()), non_blocking=True)
+def pinned_copy(arena: PinnedArena) -> SlabCopy:
+    """The slab copy into ``arena``: each contiguous run of the source (a device slab made
+    contiguous there, at most one slab of temporary memory) goes to its place cut at the
+    arena's chunk boundaries, each part once its chunk is page-locked; from a device, as
+    asynchronous copies on the current stream."""
+
+    def copy(part: torch.Tensor, src: torch.Tensor) -> None:
+        flat = _flat_bytes(src.contiguous())
+        first = part.data_ptr() - arena.address
+        for chunk, lo, hi in chunk_spans(first, part.numel(), arena.chunk_bytes):
+            arena.wait_chunk(chunk)
+            part[lo:hi].copy_(flat[lo:hi], non_blocking=flat.is_cuda)
+
+    return copy
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -171,21 +171,28 @@ def assert_refused(
             assert match in r["message"], f"{r['name']}: {r['message']}"
 
 
+_CLI = r"""
+import resource, runpy, sys
+import torch, shardsafe, shardsafe.cli
+vsz = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+limit = vsz + int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+sys.argv = ["shardsafe", *sys.argv[2:]]
+runpy.run_module("shardsafe", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_cli(
-    *args: str, timeout: float = 60.0, extra_as: int = 3 << 30
+    *args: str, timeout: float = 60.0, extra_as: int = EXTRA_AS
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m shardsafe ARGS`` under an address-space limit."""
-    import resource
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (extra_as, extra_as))
-
+    """``python -m shardsafe ARGS`` with its address space capped at what importing torch and
+    shardsafe took plus ``extra_as``: an absolute cap would not fit a CUDA build of torch,
+    whose import alone maps several GiB."""
     return subprocess.run(
-        [sys.executable, "-m", "shardsafe", *args],
+        [sys.executable, "-c", _CLI, str(extra_as), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        preexec_fn=limit,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
 
