@@ -25,7 +25,7 @@ from ..loading import (
     _replace_at,
 )
 from ..sharding import ShardedTensor, ShardedTensorFactory, adapt, split_state_dict
-from .dcp import MEGATRON_COMMON_FILE, DcpSource
+from .dcp import DcpSource
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,9 @@ def load_torch_dist(
     source = DcpSource(path, trust=trust)
     factories: list[tuple[Any, ShardedTensorFactory]] = []
     tree = _apply_factories_recording(adapt(template), (), factories)
-    split = split_state_dict(tree, plain_tensors=False)  # Megatron keeps plain leaves in common.pt
+    split = split_state_dict(
+        tree, plain_tensors=False
+    )  # Megatron keeps plain leaves in common state
     tensor_keys = set(source.tensor_keys())
     object_keys = set(source.object_keys())
     unexpected = [st.key for _, st in split.tensors if st.key not in tensor_keys]
@@ -67,9 +69,7 @@ def load_torch_dist(
                     f"{os.fspath(path)}: object {o.unique_key!r} is not Megatron's one-element list"
                 )
             values[id(o)] = stored[0]
-    plain: Any = {k: v for k, v in common.items() if k not in object_keys}
-    if not os.path.isfile(os.path.join(os.fspath(path), MEGATRON_COMMON_FILE)):
-        plain = {}
+    plain: Any = source.megatron_common()  # common.pt, or megatron-core 0.19's common_state
     result = _merge(tree, plain, values, {}, ())
     for fpath, factory in reversed(factories):
         result = _replace_at(result, fpath, factory.merge_fn(_get_at(result, fpath)))
