@@ -2,12 +2,14 @@
 (``shardsafe.megatron_api``), compared with megatron-core itself where it runs on CPU.
 
 Megatron's tests use 8 ranks in TP2xPP4 layouts; on a two-core machine these use 4 gloo ranks
-(TP2xPP2: rank = pp * 2 + tp). The directory is created by the caller, as Megatron expects.
+(TP2xPP2: rank = pp * 2 + tp); ``SHARDSAFE_MEGATRON_RANKS=8`` runs them as TP2xPP4. The
+directory is created by the caller, as Megatron expects.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from importlib import resources
 
@@ -23,7 +25,8 @@ from shardsafe import megatron_api
 
 pytestmark = pytest.mark.timeout(600)
 
-WORLD = 4  # TP2 x PP2
+WORLD = int(os.environ.get("SHARDSAFE_MEGATRON_RANKS", "4"))  # TP2 x PP(WORLD / 2)
+PP = WORLD // 2
 ALL_MODES = [m.value for m in shardsafe.StrictHandling]
 
 
@@ -42,12 +45,12 @@ def _layer(rank: int, template: bool = False) -> dict:
     """Megatron's habit: a layer weight split over TP, a stack of layers over PP, replicated
     optimizer-like state, and a per-rank RNG object."""
     tp, pp = _tp_pp(rank)
-    full = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
+    full = torch.arange(PP * 4 * 3, dtype=torch.float32).reshape(PP, 4, 3)
     piece = full[pp, 2 * tp : 2 * tp + 2]
     data = torch.zeros_like(piece) if template else piece.clone()
     return {
         "w": mcore.ShardedTensor.from_rank_offsets(
-            "decoder.w", data, (0, pp, 2), (1, tp, 2), prepend_axis_num=1, replica_id=(0, 0, 0)
+            "decoder.w", data, (0, pp, PP), (1, tp, 2), prepend_axis_num=1, replica_id=(0, 0, 0)
         ),
         "rng": mcore.ShardedObject(
             "rng", None if template else {"rank": rank}, (WORLD,), (rank,), replica_id=0
@@ -89,7 +92,8 @@ def test_differing_common_state_keeps_rank_0s_as_megatron_does(pool, tmp_path):
         assert refused is not None and "state_dict['rank']" in refused
         # the Megatron-named save warns on every rank, naming each value and the ranks
         (message,) = [w for w in warned if "rank 0's" in w]
-        assert "state_dict['rank'] (rank 1, rank 2, rank 3)" in message
+        others = ", ".join(f"rank {r}" for r in range(1, WORLD))
+        assert f"state_dict['rank'] ({others})" in message
         assert "state_dict['bias']" in message and "iteration" not in message
     assert not (tmp_path / "ours-strict").exists()
     with cpu_as_cuda():
@@ -185,7 +189,7 @@ def test_content_metadata_and_common_state_come_back_exactly(tmp_path):
 
 
 def _uneven(rank: int, cls, template: bool = False):
-    """A 1-D tensor of 2 elements split over 4 ranks: ranks 2 and 3 get nothing."""
+    """A 1-D tensor of 2 elements split over the ranks: ranks 2 and above get nothing."""
     a, b = min(rank, 2), min(rank + 1, 2)
     data = torch.zeros(b - a) if template else torch.arange(2.0)[a:b].clone()
     if cls is mcore.ShardedTensor:
@@ -210,8 +214,9 @@ def test_zero_size_pieces_held_by_several_ranks(pool, tmp_path):
     ours, theirs = tmp_path / "ours", tmp_path / "megatron"
     theirs.mkdir()
     results = pool.run(zero_size_pieces, str(ours), str(theirs), timeout=300)
-    assert [r[0] for r in results] == [[0.0], [1.0], [], []]  # Megatron saves and loads them
-    assert [r[1] for r in results] == [[0.0], [1.0], [], []]
+    want = [[0.0], [1.0]] + [[]] * (WORLD - 2)
+    assert [r[0] for r in results] == want  # Megatron saves and loads them
+    assert [r[1] for r in results] == want
     assert torch.equal(shardsafe.CheckpointReader(ours).read_tensor("u"), torch.arange(2.0))
 
 
@@ -299,7 +304,7 @@ def test_every_strict_mode_behaves_as_in_megatron(pool, tmp_path):
         loaded = report["ignore_all"]["ours"]["sd"]
         assert "extra" not in loaded and "items" not in loaded and loaded["rng"] == {"rank": rank}
         tp, pp = _tp_pp(rank)
-        want = torch.arange(24.0).reshape(2, 4, 3)[pp, 2 * tp : 2 * tp + 2].tolist()
+        want = torch.arange(PP * 12.0).reshape(PP, 4, 3)[pp, 2 * tp : 2 * tp + 2].tolist()
         assert loaded["w"] == want
 
 
@@ -319,6 +324,28 @@ def test_assume_ok_unexpected_raises_a_checkpointing_exception(pool, tmp_path):
         # each rank names its own keys, so the ranks' errors differ: one DistributedError
         assert result is not None and result[0] == "DistributedError", result
         assert "MissingKeyError" in result[1] and f"extra.{rank}" in result[1]
+
+
+def raise_unexpected_on_one_rank(rank, world, path):
+    request = _layer(rank, template=True)
+    if rank == 1:
+        request["extra"] = mcore.ShardedTensor.from_rank_offsets("extra", torch.zeros(1))
+    try:
+        megatron_api.load(request, path, strict="raise_unexpected")
+    except CheckpointingException as e:
+        return str(e)
+    return None
+
+
+def test_raise_modes_raise_on_every_rank(pool, tmp_path):
+    """Megatron raises only where the key is unexpected (the other ranks then wait in the load);
+    the Megatron-named load raises on every rank, naming the ranks."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    pool.run(_save_layer, str(path), timeout=300)
+    messages = pool.run(raise_unexpected_on_one_rank, str(path), timeout=300)
+    assert all(m is not None and "rank 1 request" in m for m in messages), messages
+    assert "'extra'" in messages[1]
 
 
 def _save_layer(rank, world, path):

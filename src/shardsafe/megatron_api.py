@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 from .checksum import digest
 from .codec import encode
 from .dist import get_comm, outcome, raise_for
-from .errors import CheckpointError, MissingKeyError, ValidationError
+from .errors import CheckpointError, MissingKeyError, ValidationError, describe_ranks
 from .loading import StrictHandling, content_metadata_of, read_manifest
 from .loading import load as _load
 from .reader import load_common_state_dict as _load_common_state_dict
@@ -369,17 +369,23 @@ def _strict_check(
     template = _without_keys(template, unexpected)
     if mode == StrictHandling.IGNORE_ALL:
         return template, set(), set()
-    if missing or unexpected:
-        message = _mismatch_message(os.fspath(path), missing, unexpected)
-        if mode in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-            raise MissingKeyError(message)
-        if mode in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
-            log.warning("%s", message)
+    # every rank knows every rank's request: all raise together (a rank left out would wait
+    # for the others in the load)
+    others = [r for r, rec in enumerate(records) if set(rec["requested"]) - stored]
+    if mode in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL) and (missing or others):
+        extra = [f"{describe_ranks(others)} request keys the checkpoint does not hold"]
+        raise MissingKeyError(
+            _mismatch_message(os.fspath(path), missing, unexpected, extra if others else [])
+        )
+    if mode in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and (missing or unexpected):
+        log.warning("%s", _mismatch_message(os.fspath(path), missing, unexpected))
     return template, missing, unexpected
 
 
-def _mismatch_message(path: str, missing: set[str], unexpected: set[str]) -> str:
-    parts = []
+def _mismatch_message(
+    path: str, missing: set[str], unexpected: set[str], extra: list[str] | None = None
+) -> str:
+    parts: list[str] = []
     if missing:
         parts.append(
             f"{len(missing)} checkpoint keys are requested by no rank (missing): {sorted(missing)[:10]}"
@@ -389,7 +395,7 @@ def _mismatch_message(path: str, missing: set[str], unexpected: set[str]) -> str
             f"{len(unexpected)} keys this rank requests are not in the checkpoint (unexpected): "
             f"{sorted(unexpected)[:10]}"
         )
-    return f"{path}: " + "; ".join(parts)
+    return f"{path}: " + "; ".join(parts + (extra or []))
 
 
 # --------------------------------------------------------------------------- metadata
