@@ -14,9 +14,11 @@ TORCH_INDEX_URL ?=
 # megatron-core 0.17+ needs Python >= 3.12, the main venv's dev extra pins 0.16.1: the tests
 # against megatron-core 0.19 run in a second venv made from the first working Python 3.12 found
 # (python3.12 on PATH, then pyenv's versions); PY312=/path/to/python3.12 chooses another.
-PY312 ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 \
+ifeq ($(origin PY312),undefined)
+PY312 := $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 \
 	/usr/local/bin/python3.12 /usr/bin/python3.12; do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
 	>/dev/null 2>&1 && { echo "$$p"; break; }; done)
+endif
 VENV312 := .venv312
 STAMP312 := $(VENV312)/.installed
 MEGATRON019_SPEC ?= megatron-core==0.19.2

@@ -87,9 +87,14 @@ def test_torch_dist_written_by_megatron_019_loads_and_converts(tmp_path):
 
     # shardsafe.load, in one process (TP2 -> TP1), common state from common_state/shard_0_1
     out = shardsafe.load(
-        {"w": shardsafe.ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(path)
+        {
+            "w": shardsafe.ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS)),
+            "rng": [shardsafe.ShardedObject("rng", None, (2,), (r,)) for r in range(2)],
+        },
+        str(path),
     )
     assert torch.equal(out["w"], _full())
+    assert out["rng"] == [{"rank": 0}, {"rank": 1}]
     _same_common(out)
     assert out["content_metadata"] == {"fmt": (1, 2)}
     # and through the Megatron-named entry points

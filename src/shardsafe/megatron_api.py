@@ -205,7 +205,7 @@ def _rank0_common(comm: Any, tree: Any, preprocess: Callable[[Any], Any] | None)
             "common state differs from rank 0's, which is what is saved (Megatron-Core's "
             f"contract): {'; '.join(parts[:20])}"
             + (f" and {len(parts) - 20} more" if len(parts) > 20 else ""),
-            stacklevel=3,
+            stacklevel=4,  # the caller of save
         )
     names = {name for name, _ in differing}
     if not names:
