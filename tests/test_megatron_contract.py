@@ -77,6 +77,18 @@ def save_differing_common(rank, world, ours_path, megatron_path):
         megatron_api.save(sd(), ours_path)
     with cpu_as_cuda():
         dist_checkpointing.save(sd(), megatron_path)
+
+    def without_rank(common):  # Megatron's hook: it sees the common state only
+        assert "w" not in common and "rng" not in common and common["iteration"] == 3
+        return {k: v for k, v in common.items() if k != "rank"}
+
+    with warnings.catch_warnings(record=True) as shaped:
+        warnings.simplefilter("always")
+        megatron_api.save(
+            sd(), ours_path + "-pre", preprocess_common_before_consistancy_check=without_rank
+        )
+    (message,) = [str(w.message) for w in shaped if "rank 0's" in str(w.message)]
+    assert "state_dict['bias']" in message and "state_dict['rank']" not in message
     return refused, [str(w.message) for w in caught]
 
 
@@ -100,6 +112,7 @@ def test_differing_common_state_keeps_rank_0s_as_megatron_does(pool, tmp_path):
         megatron_common = dist_checkpointing.load_common_state_dict(str(theirs))
     ours_common = megatron_api.load_common_state_dict(str(ours))
     assert megatron_common["rank"] == ours_common["rank"] == 0
+    assert megatron_api.load_common_state_dict(str(tmp_path / "ours-pre"))["rank"] == 0
     assert torch.equal(ours_common["bias"], torch.zeros(2))
     assert torch.equal(megatron_common["bias"], torch.zeros(2))
 

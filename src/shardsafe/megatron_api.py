@@ -190,7 +190,7 @@ def _rank0_common(comm: Any, tree: Any, preprocess: Callable[[Any], Any] | None)
     """``tree`` with each common leaf that differs from rank 0's wrapped in CoordinatorObject
     (so rank 0's copy is saved), after a warning naming what differed (Megatron's contract)."""
     mine, err = outcome(
-        lambda: (_digests(tree), _digests(preprocess(tree)) if preprocess else None)
+        lambda: (_digests(tree), _digests(preprocess(_common_view(tree))) if preprocess else None)
     )
     comm.arrive("save (common state check)", 1800.0)
     records = comm.all_gather({"error": err, "digests": mine})
@@ -211,6 +211,17 @@ def _rank0_common(comm: Any, tree: Any, preprocess: Callable[[Any], Any] | None)
     if not names:
         return tree
     return _wrap(tree, (), names)
+
+
+def _common_view(node: Any) -> Any:
+    """The common state dict as Megatron hands it to ``preprocess_common_before_consistancy_check``:
+    the tree without sharded and non-persistent entries (lists closed up)."""
+    sharded = (ShardedTensor, ShardedObject, ShardedTensorFactory, LocalNonPersistentObject)
+    if isinstance(node, dict):
+        return {k: _common_view(v) for k, v in node.items() if not isinstance(v, sharded)}
+    if isinstance(node, list):
+        return [_common_view(v) for v in node if not isinstance(v, sharded)]
+    return node
 
 
 def _differing(every: list[dict[str, str]]) -> list[tuple[str, list[int]]]:
