@@ -1,7 +1,8 @@
 # shardsafe: `make demo` runs the main job, `make test` the full suite.
 # Both create .venv and install what they need themselves: the demo only torch and shardsafe
 # (numpy, xxhash, tqdm), the tests every dev extra too. One .venv, one stamp per level, so
-# `make test` after `make demo` still installs the dev extras.
+# `make test` after `make demo` still installs the dev extras. `make test` also builds
+# .venv312 for the megatron-core 0.19 tests (below).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,20 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 
-.PHONY: demo test lint bench clean venv
+.PHONY: demo test test-megatron019 lint bench clean venv venv312
+
+# megatron-core 0.17+ needs Python >= 3.12, the main venv's dev extra pins 0.16.1: the tests
+# against megatron-core 0.19 run in a second venv made from the first working Python 3.12 found
+# (python3.12 on PATH, then pyenv's versions); PY312=/path/to/python3.12 chooses another.
+ifeq ($(origin PY312),undefined)
+PY312 := $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 \
+	/usr/local/bin/python3.12 /usr/bin/python3.12; do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
+	>/dev/null 2>&1 && { echo "$$p"; break; }; done)
+endif
+VENV312 := .venv312
+STAMP312 := $(VENV312)/.installed
+MEGATRON019_SPEC ?= megatron-core==0.19.2
+MEGATRON019_TESTS := tests/test_megatron_019.py
 
 venv: $(STAMP)
 
@@ -27,11 +41,31 @@ $(STAMP): $(CORE_STAMP)
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+venv312: $(STAMP312)
+
+$(STAMP312): pyproject.toml Makefile
+	@test -n "$(PY312)" || { echo "no Python 3.12 found: set PY312=/path/to/python3.12"; exit 1; }
+	$(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/pip install -q --upgrade pip
+	$(VENV312)/bin/pip install -q '$(TORCH_SPEC)' $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(VENV312)/bin/pip install -q -e . pytest pytest-timeout psutil '$(MEGATRON019_SPEC)'
+	touch $(STAMP312)
+
 demo: $(CORE_STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+	$(MAKE) test-megatron019
+
+# Only the megatron-core 0.19 file(s): the rest of the suite ran in the main venv.
+test-megatron019:
+ifeq ($(PY312),)
+	@echo "SKIPPED $(MEGATRON019_TESTS): no Python 3.12 here (looked for python3.12 on PATH and in pyenv's versions); set PY312=/path/to/python3.12 to run them"
+else
+	$(MAKE) $(STAMP312)
+	$(VENV312)/bin/python -m pytest -q $(MEGATRON019_TESTS)
+endif
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
@@ -42,4 +76,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_save_load.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV312) build dist src/*.egg-info .pytest_cache .hypothesis

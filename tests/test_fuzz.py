@@ -517,7 +517,7 @@ def stack_room() -> int:
 @given(
     kind=st.sampled_from(["list", "tuple", "dict", "namespace"]),
     fraction=st.sampled_from([0.02, 0.2, 0.35, 0.45, 0.6, 0.75, 0.9, 0.97, 1.5, 50.0]),
-    where=st.sampled_from(["common", "object", "user_metadata"]),
+    where=st.sampled_from(["common", "object", "user_metadata", "user_metadata_encoded"]),
 )
 def test_deeply_nested_encoded_values(env: Env, kind: str, fraction: float, where: str) -> None:
     """Nesting around the stack's limit: deep enough for the decoder, not for the JSON parser."""
@@ -528,8 +528,10 @@ def test_deeply_nested_encoded_values(env: Env, kind: str, fraction: float, wher
         doc["common"] = "@NEST@"
     elif where == "object":
         next(iter(doc["objects"].values()))["value"] = "@NEST@"
-    else:
+    elif where == "user_metadata":
         doc["user_metadata"] = {"content_metadata": "@NEST@"}
+    else:
+        doc["user_metadata"] = {"content_metadata_encoded": "@NEST@"}
     env.write_raw(json.dumps(doc).replace('"@NEST@"', _nested(kind, depth)).encode())
     exercise(env)
 

@@ -1,6 +1,7 @@
 """A tampered manifest whose pieces overlap or leave holes is refused, never read as garbage."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -43,11 +44,13 @@ def test_overlapping_or_incomplete_pieces_are_refused(tmp_path, mutate):
     assert not ok
 
 
-def test_content_metadata_must_be_json(tmp_path):
+def test_content_metadata_must_fit_the_manifest(tmp_path):
     sd = {"w": shardsafe.ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}
     with pytest.raises(shardsafe.ValidationError, match="content_metadata"):
-        shardsafe.save(sd, tmp_path / "c", content_metadata={"bad": float("nan")})
+        shardsafe.save(sd, tmp_path / "c", content_metadata={"bad": b"bytes need a blob"})
     assert not (tmp_path / "c").exists()
+    shardsafe.save(sd, tmp_path / "nan", content_metadata={"nan": float("nan")})  # tagged
+    assert math.isnan(shardsafe.load_content_metadata(tmp_path / "nan")["nan"])
     shardsafe.save(sd, tmp_path / "c", content_metadata={"layout": "tp2", "v": [1, 2]})
     assert shardsafe.load_content_metadata(tmp_path / "c") == {"layout": "tp2", "v": [1, 2]}
 

@@ -139,6 +139,43 @@ def encode(tree: Any, blob_prefix: str) -> EncodedTree:
     return out
 
 
+def is_plain_json(x: Any) -> bool:
+    """Whether ``json`` gives ``x`` back exactly: str-keyed dicts, lists, str, int, finite float,
+    bool, None, with exactly those types (a tuple would come back a list, ``{6: ...}`` as
+    ``{"6": ...}``, a dict subclass as a dict)."""
+    if x is None or type(x) in (bool, str, int):
+        return True
+    if type(x) is float:
+        return math.isfinite(x)
+    if type(x) is list:
+        return all(is_plain_json(v) for v in x)
+    if type(x) is dict:
+        return all(type(k) is str and is_plain_json(v) for k, v in x.items())
+    return False
+
+
+def encode_inline(tree: Any, what: str) -> Any:
+    """The encoded value of ``tree`` for a place with no blobs (the manifest's ``user_metadata``):
+    tuples, non-str keys, non-finite floats, dtypes... are tagged; what needs a blob (tensors,
+    arrays, bytes, pickled objects) is refused with :class:`ValidationError`."""
+    enc = encode(tree, "")
+    if enc.blobs:
+        raise ValidationError(
+            f"{what} holds a tensor, array, bytes or an object that only torch.save can store; "
+            "it is kept in the manifest, which holds no data: put such values in the state dict"
+        )
+    return enc.node
+
+
+def decode_inline(node: Any, where: str) -> Any:
+    """Inverse of :func:`encode_inline`; a reference to a blob is corrupt here."""
+
+    def no_blob(blob_id: str) -> bytes:
+        raise CorruptCheckpointError(f"{where}: refers to blob {blob_id[:80]!r}, which it may not")
+
+    return decode(node, no_blob, where)
+
+
 def check_loads_back(pickled: bytes, name: str) -> None:
     """Refuse to store what ``decode`` would refuse to load, with the message load would give."""
     try:

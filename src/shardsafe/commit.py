@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from . import __version__
+from .codec import encode_inline, is_plain_json
 from .dist import error_record
 from .errors import CheckpointError
 from .format import (
@@ -124,10 +125,19 @@ def assemble(
         common=results[0]["common"],
         created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         library_version=__version__,
-        user_metadata={"content_metadata": dict(content_metadata)}
-        if content_metadata is not None
-        else {},
+        user_metadata=content_metadata_entry(content_metadata),
     )
+
+
+def content_metadata_entry(content_metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The manifest's ``user_metadata``: plain JSON under ``content_metadata`` when JSON gives it
+    back exactly, else its encoded value under ``content_metadata_encoded`` (tuples, int keys)."""
+    if content_metadata is None:
+        return {}
+    value = dict(content_metadata)
+    if is_plain_json(value):
+        return {"content_metadata": value}
+    return {"content_metadata_encoded": encode_inline(value, "content_metadata")}
 
 
 def _extent(obj: dict[str, Any]) -> Extent:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .codec import decode
+from .codec import decode, decode_inline
 from .directio import direct_io_mode
 from .dist import get_comm, outcome, raise_for
 from .dtypes import dtype_from_name
@@ -589,9 +589,9 @@ class _LoadJob:
             result = _resolve_refs(result, lambda key: self._read_whole(reader, key))
         for fpath, factory in reversed(self.factories):
             result = _replace_at(result, fpath, factory.merge_fn(_get_at(result, fpath)))
-        content = manifest.user_metadata.get("content_metadata")
-        if isinstance(result, dict) and isinstance(content, dict):
-            result.setdefault("content_metadata", dict(content))  # where Megatron-LM reads it
+        content = content_metadata_of(manifest, self.where)
+        if isinstance(result, dict) and content is not None:
+            result.setdefault("content_metadata", content)  # where Megatron-LM reads it
         return result
 
     def _read_whole(self, reader: DataReader, key: str) -> torch.Tensor:
@@ -729,8 +729,22 @@ def _replace_at(tree: Any, path: Path, value: Any) -> Any:
 
 def load_content_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The ``content_metadata`` given to ``save``, without reading any tensor."""
-    manifest, _ = read_manifest(path)
-    value = manifest.user_metadata.get("content_metadata")
+    manifest, storage = read_manifest(path)
+    return content_metadata_of(manifest, storage.describe(MANIFEST_NAME))
+
+
+def content_metadata_of(manifest: Manifest, where: str) -> dict[str, Any] | None:
+    """The ``content_metadata`` saved with ``manifest`` exactly as given (None if none): plain
+    JSON, or the encoded value of one JSON would not give back (tuples, int keys...)."""
+    user = manifest.user_metadata
+    if "content_metadata_encoded" in user:
+        value = decode_inline(user["content_metadata_encoded"], f"{where}: content_metadata")
+        if not isinstance(value, dict):
+            raise CorruptCheckpointError(
+                f"{where}: content_metadata decodes to a {type(value).__name__}, not a dict"
+            )
+        return value
+    value = user.get("content_metadata")
     return dict(value) if isinstance(value, dict) else None
 
 

@@ -243,9 +243,16 @@ def _describe_piece(p: PieceDesc) -> str:
     return f"the piece at offset {p.offset} of shape {p.shape}{flat}"
 
 
+def _is_empty(p: PieceDesc) -> bool:
+    """A piece of no element (an uneven split that gave a rank nothing)."""
+    return (p.flat[1] <= p.flat[0]) if p.flat is not None else math.prod(p.shape) == 0
+
+
 def _check_mains(key: str, group: _Group) -> None:
     if len(group.mains) == 1:
         return
+    if _is_empty(group.piece):
+        return  # nothing to write: any number of ranks may call it theirs (Megatron saves it)
     desc = _describe_piece(group.piece)
     if not group.mains:
         raise ValidationError(

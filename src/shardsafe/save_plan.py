@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from .checksum import digest
-from .codec import encode, tensor_bytes
+from .codec import encode, encode_inline, tensor_bytes
 from .dist import Comm, error_record, outcome, raise_for
 from .dtypes import dtype_name
 from .errors import UnsafeObjectError, ValidationError
@@ -313,12 +313,15 @@ def _or_abort(lease: Lease | None, loc: Location, token: str, fn: Callable[[], T
 
 
 def check_content_metadata(content_metadata: Mapping[str, Any] | None) -> None:
-    """It is stored as plain JSON in the manifest: refuse anything else before writing data."""
+    """It is stored in the manifest, which holds no blobs: refuse what needs one before writing
+    data (tuples, int keys and the like are tagged and come back exactly)."""
     if content_metadata is None:
         return
-    try:
-        json.dumps(dict(content_metadata), allow_nan=False)
-    except (TypeError, ValueError) as e:
+    if not isinstance(content_metadata, Mapping):
         raise ValidationError(
-            f"content_metadata must be plain JSON data (str keys; str, int, float, bool, None, lists, dicts): {e}"
-        ) from None
+            f"content_metadata must be a dict, got {type(content_metadata).__name__}"
+        )
+    try:
+        encode_inline(dict(content_metadata), "content_metadata")
+    except (ValidationError, UnsafeObjectError) as e:
+        raise ValidationError(f"{e}") from None

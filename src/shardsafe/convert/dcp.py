@@ -31,6 +31,9 @@ from .source import Shape
 METADATA_FILE = ".metadata"
 MEGATRON_CONFIG_FILE = "metadata.json"
 MEGATRON_COMMON_FILE = "common.pt"
+MEGATRON_COMMON_OBJECT = "common_state/shard_0_1"
+"""Where megatron-core 0.19+ keeps the common state: a ShardedObject ``[common_dict]`` in the
+DCP files, instead of ``common.pt`` (which 0.19 still reads first when present)."""
 INTEGRITY_FILE = "integrity.json"
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -204,6 +207,12 @@ class DcpSource:
             except RecursionError:  # values nested too deep even to describe
                 raise CorruptCheckpointError(f"{file}: metadata nested too deeply") from None
         self._check_extents()
+        # megatron-core 0.19's common state is no object of the run's: it is the common state
+        self._common_object = (
+            self._objects.pop(MEGATRON_COMMON_OBJECT, None)
+            if self.megatron_config is not None
+            else None
+        )
 
     # -- TensorSource -------------------------------------------------------------------------
 
@@ -244,20 +253,34 @@ class DcpSource:
         """How many stored chunks make up ``key`` (for ``inspect``)."""
         return len(self._entry(key).chunks)
 
+    def megatron_common(self) -> dict[str, Any]:
+        """Megatron-Core's common state: ``common.pt`` (megatron-core <= 0.18, and read first by
+        0.19 as well), else the ``common_state`` object of 0.19+; ``{}`` when there is neither."""
+        common_file = self.path / MEGATRON_COMMON_FILE
+        if _present(common_file):
+            try:
+                f = open_in(self.path, MEGATRON_COMMON_FILE)
+            except OSError as e:
+                raise CorruptCheckpointError(f"{common_file}: unreadable ({e})") from None
+            with f:
+                loaded = load_torch_payload(f, str(common_file), trust=self.trust)
+            return loaded if isinstance(loaded, dict) else {"common": loaded}
+        if self._common_object is None:
+            return {}
+        what = f"Megatron common state {MEGATRON_COMMON_OBJECT!r}"
+        stored = self._load_record(self._common_object, what, tensor=False)
+        if not (isinstance(stored, list) and len(stored) == 1 and isinstance(stored[0], dict)):
+            raise CorruptCheckpointError(
+                f"{self.path}: {what} is not megatron-core's one-element list holding a dict "
+                f"(got {type(stored).__name__})"
+            )
+        return stored[0]
+
     def common(self) -> dict[str, Any]:
-        """Megatron's ``common.pt`` (if present) plus every object item, nested again as the
-        saved state dict was (DCP's ``planner_data`` records each flat key's path)."""
+        """Megatron's common state (:meth:`megatron_common`) plus every object item, nested
+        again as the saved state dict was (DCP's ``planner_data`` records each flat key's path)."""
         if self._common is None:
-            state: dict[str, Any] = {}
-            common_file = self.path / MEGATRON_COMMON_FILE
-            if _present(common_file):
-                try:
-                    f = open_in(self.path, MEGATRON_COMMON_FILE)
-                except OSError as e:
-                    raise CorruptCheckpointError(f"{common_file}: unreadable ({e})") from None
-                with f:
-                    loaded = load_torch_payload(f, str(common_file), trust=self.trust)
-                state.update(loaded if isinstance(loaded, dict) else {"common": loaded})
+            state: dict[str, Any] = dict(self.megatron_common())
             for key, info in self._objects.items():
                 value = self._load_record(info, f"object {key!r}", tensor=False)
                 path: tuple[Any, ...] = self._paths.get(key, (key,))

@@ -26,7 +26,7 @@ from ..loading import (
     _replace_at,
 )
 from ..sharding import ShardedTensor, ShardedTensorFactory, adapt, split_state_dict
-from .dcp import MEGATRON_COMMON_FILE, DcpSource
+from .dcp import DcpSource
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _load(
     source = DcpSource(path, trust=trust)
     factories: list[tuple[Any, ShardedTensorFactory]] = []
     tree = _apply_factories_recording(adapt(template), (), factories)
-    # Megatron keeps plain leaves in common.pt; DCP stores them as tensors under their paths
+    # Megatron keeps plain leaves in common state; DCP stores them as tensors under their paths
     split = split_state_dict(tree, plain_tensors=plain_tensors)
     tensor_keys = set(source.tensor_keys())
     object_keys = set(source.object_keys())
@@ -88,11 +88,10 @@ def _load(
                     f"{os.fspath(path)}: object {o.unique_key!r} is not Megatron's one-element list"
                 )
             values[id(o)] = stored[0]
-    plain: Any = {k: v for k, v in common.items() if k not in object_keys}
     if plain_tensors:
-        plain = common  # DCP's non-tensor items, nested again by their recorded paths
-    elif not os.path.isfile(os.path.join(os.fspath(path), MEGATRON_COMMON_FILE)):
-        plain = {}
+        plain: Any = common  # DCP's non-tensor items, nested again by their recorded paths
+    else:
+        plain = source.megatron_common()  # common.pt, or megatron-core 0.19's common_state
     filled = {split.tensors[i][0]: split.tensors[i][1] for i in split.replicated}
     result = _merge(tree, plain, values, filled, ())
     for fpath, factory in reversed(factories):

@@ -5,7 +5,9 @@ Megatron-Core ``torch_dist`` checkpoint (the layout of megatron-core 0.16: ``.me
 ``__0_*.distcp``, ``common.pt``, ``metadata.json``), which
 ``megatron.core.dist_checkpointing.load`` loads into any TP/PP layout. Tensors are stored whole
 under their ``ShardedTensor`` keys (Megatron reads any box of them), ShardedObjects under their
-unique keys (``key/shard_<offset>_<shape>``), the common state in ``common.pt``.
+unique keys (``key/shard_<offset>_<shape>``), the common state (with the checkpoint's
+``content_metadata``, where Megatron keeps it) in ``common.pt``, which megatron-core 0.19
+still reads first.
 ``metadata.json``, Megatron's commit marker, is written last.
 """
 
@@ -19,10 +21,14 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointExistsError, ValidationError
+from ..format import Manifest
+from ..loading import content_metadata_of
 from .dcp import MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE
 from .dcp_writer import _SourcePlanner, save_through
 from .publish import refuse_source_overlap, staged
 from .source import Progress, TensorSource, tensor_nbytes
+
+CONTENT_METADATA_KEY = "content_metadata"
 
 MEGATRON_CONFIG = {
     "sharded_backend": "torch_dist",
@@ -81,6 +87,9 @@ def export_megatron(
     common = _without_sharded_places(
         dict(common) if isinstance(common, dict) else {"common": common}
     )
+    content = _content_metadata(source)
+    if content is not None:  # Megatron keeps it in the common state, where its load returns it
+        common.setdefault(CONTENT_METADATA_KEY, content)
     with staged(dst, _is_megatron_file, MEGATRON_CONFIG_FILE) as work:
         save_through(state, work, planner, single_file_per_rank=True)
         torch.save(common, work / MEGATRON_COMMON_FILE)
@@ -92,6 +101,19 @@ def _is_megatron_file(name: str) -> bool:
     return name in (".metadata", MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE) or name.endswith(
         ".distcp"
     )
+
+
+def _content_metadata(source: Any) -> dict[str, Any] | None:
+    """The ``content_metadata`` of a shardsafe checkpoint being exported (through wrappers
+    such as a key selection), or None."""
+    for _ in range(8):
+        manifest = getattr(source, "manifest", None)
+        if isinstance(manifest, Manifest):
+            return content_metadata_of(manifest, f"{getattr(source, 'path', '')}")
+        source = getattr(source, "source", None)
+        if source is None:
+            return None
+    return None
 
 
 def _without_sharded_places(tree: Any) -> Any:
