@@ -181,8 +181,14 @@ class CheckpointDirectory(ABC):
 
     def remove(self, name: str) -> None:
         """Delete a checkpoint, uncommitting it first (its manifest goes before its data), so an
-        interrupted deletion leaves only a recognisable leftover, never a torn checkpoint."""
+        interrupted deletion leaves only a recognisable leftover, never a torn checkpoint.
+
+        A name that is a symbolic link (a checkpoint linked in from elsewhere, to start from
+        it) loses the link only: nothing is ever deleted through a link."""
         self.unmark(name)
+        if self.storage.is_link(name):
+            self.storage.remove_tree(name)  # removes the link, not its target
+            return
         self.storage.remove_tree(f"{name}/{MANIFEST_NAME}")
         self.storage.remove_tree(name)
 

@@ -105,6 +105,11 @@ class Storage(ABC):
     def remove_tree(self, rel: str) -> None:
         """Remove a file or directory tree; missing is fine."""
 
+    def is_link(self, rel: str) -> bool:
+        """True when ``rel`` is a symbolic link (never on object stores): housekeeping removes
+        the link itself and never acts on what it points to."""
+        return False
+
     def rename(self, src: str, dst: str) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot rename")
 

@@ -80,6 +80,9 @@ class LocalStorage(Storage):
                 os.remove(path)  # never leave a partial file that looks written
             raise
 
+    def is_link(self, rel: str) -> bool:
+        return os.path.islink(self.path(rel))
+
     def make_dir(self, rel: str) -> None:
         os.makedirs(self.path(rel), exist_ok=True)
 
