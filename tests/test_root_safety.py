@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from stepstate import StepState
 
-from shardsafe import CheckpointManager
+from shardsafe import CheckpointError, CheckpointManager
 from shardsafe.directory import step_name
 
 STATE = StepState(rows=8, cols=4, world=2)
@@ -47,3 +47,40 @@ def test_remove_of_a_linked_step_removes_the_link(tmp_path: Path) -> None:
     manager._dir.remove(step_name(5))
     assert not os.path.lexists(root / step_name(5))
     assert sorted(os.listdir(elsewhere / step_name(5))) == ["data", "manifest.json"]
+
+
+def _odd_lease(root: Path, step: int, kind: str) -> Path:
+    """Something that is not a lease at the lease name of ``step``."""
+    lock = root / f".{step_name(step)}.shardsafe-lock"
+    if kind == "directory":
+        lock.mkdir()
+        (lock / "notes.txt").write_text("mine")
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "symlink":
+        target = root.parent / "target.txt"
+        target.write_text("keep me")
+        os.symlink(target, lock)
+    else:
+        os.symlink(root.parent / "nowhere", lock)
+    return lock
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink", "dangling"])
+def test_an_odd_file_at_a_lease_name_counts_as_held(tmp_path: Path, kind: str) -> None:
+    root = tmp_path / "run"
+    _manager(root).save(1, STATE.whole_state(1))
+    lock = _odd_lease(root, 3, kind)
+    before = os.lstat(lock)
+    manager = _manager(root)  # opening the root runs the clean-up: it must neither fail nor delete
+    manager.save(2, STATE.whole_state(2))
+    assert os.lstat(lock).st_ino == before.st_ino
+    if kind == "directory":
+        assert (lock / "notes.txt").read_text() == "mine"
+    if kind == "symlink":
+        assert (tmp_path / "target.txt").read_text() == "keep me"
+    # only a save that needs the name says so, naming the path
+    with pytest.raises(CheckpointError, match=str(lock)):
+        manager.save(3, STATE.whole_state(3))
+    assert os.lstat(lock).st_ino == before.st_ino
+    assert manager.steps() == [1, 2]
