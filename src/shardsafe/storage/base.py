@@ -14,6 +14,14 @@ from contextlib import contextmanager
 from typing import BinaryIO, Protocol
 
 
+class RefusedFileError(PermissionError):
+    """A reader refusing what it will not read (a link in place of a file, a FIFO, a sparse
+    file, a path leaving the root): about the checkpoint's structure, unlike an ``EACCES``
+    from the operating system."""
+
+    refused = True
+
+
 class ByteWriter(Protocol):
     def write(self, data: memoryview | bytes, /) -> int: ...
 
@@ -104,6 +112,11 @@ class Storage(ABC):
     @abstractmethod
     def remove_tree(self, rel: str) -> None:
         """Remove a file or directory tree; missing is fine."""
+
+    def modified(self, rel: str) -> float | None:
+        """When the file ``rel`` was last written (unix seconds, the storage's own clock), or
+        None when absent or unknown; compared only with other files of the same storage."""
+        return None
 
     def is_link(self, rel: str) -> bool:
         """True when ``rel`` is a symbolic link (never on object stores): housekeeping removes

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-from .base import Storage
+from .base import RefusedFileError, Storage
 
 
 class LocalStorage(Storage):
@@ -79,6 +79,12 @@ class LocalStorage(Storage):
             with contextlib.suppress(OSError):
                 os.remove(path)  # never leave a partial file that looks written
             raise
+
+    def modified(self, rel: str) -> float | None:
+        try:
+            return os.lstat(self.path(rel)).st_mtime_ns / 1e9
+        except OSError:
+            return None
 
     def is_link(self, rel: str) -> bool:
         return os.path.islink(self.path(rel))
@@ -184,17 +190,17 @@ def open_checked(root: str, rel: str, *, dense: bool = True) -> tuple[int, int]:
     """
     path = os.path.join(root, rel) if rel else root
     if os.path.isabs(rel) or ".." in rel.split("/") or "\0" in rel:
-        raise PermissionError(errno.EACCES, "refusing a path that leaves the directory", path)
+        raise RefusedFileError(errno.EACCES, "refusing a path that leaves the directory", path)
     real_root = os.path.realpath(root)
     parent = os.path.realpath(os.path.dirname(path))
     if parent != real_root and not parent.startswith(real_root.rstrip(os.sep) + os.sep):
-        raise PermissionError(
+        raise RefusedFileError(
             errno.EACCES,
             f"refusing to follow a symbolic link that leads outside {real_root} to {parent}",
             path,
         )
     if os.path.islink(path):  # lstat only: the link's target is neither opened nor stat'ed
-        raise PermissionError(
+        raise RefusedFileError(
             errno.EACCES,
             "refusing to follow a symbolic link in place of a file (it may lead outside)",
             path,
@@ -204,7 +210,7 @@ def open_checked(root: str, rel: str, *, dense: bool = True) -> tuple[int, int]:
         fd = os.open(path, flags)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise PermissionError(
+            raise RefusedFileError(
                 errno.EACCES, "refusing to follow a symbolic link in place of a file", path
             ) from None
         raise
@@ -213,9 +219,11 @@ def open_checked(root: str, rel: str, *, dense: bool = True) -> tuple[int, int]:
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         if not stat.S_ISREG(st.st_mode):
-            raise PermissionError(errno.EACCES, "refusing to read what is not a regular file", path)
+            raise RefusedFileError(
+                errno.EACCES, "refusing to read what is not a regular file", path
+            )
         if dense and st.st_size > SPARSE_SLACK + 4 * st.st_blocks * 512:
-            raise PermissionError(
+            raise RefusedFileError(
                 errno.EACCES,
                 f"refusing a sparse file ({st.st_size} bytes, {st.st_blocks * 512} allocated)",
                 path,
@@ -236,7 +244,7 @@ def read_checked(root: str, rel: str, limit: int | None = None) -> bytes:
     fd, size = open_checked(root, rel)
     try:
         if limit is not None and size > limit:
-            raise PermissionError(
+            raise RefusedFileError(
                 errno.EFBIG,
                 f"refusing a file of {size} bytes (the limit is {limit})",
                 os.path.join(root, rel),
@@ -260,7 +268,7 @@ def open_regular(path: str | os.PathLike[str]) -> io.BufferedReader:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise PermissionError(
+            raise RefusedFileError(
                 errno.EACCES, "refusing to read what is not a regular file", os.fspath(path)
             )
         os.set_blocking(fd, True)
