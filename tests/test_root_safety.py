@@ -3,7 +3,9 @@ use it: links to checkpoints elsewhere, odd files at reserved names, a second pr
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ from stepstate import StepState
 
 from shardsafe import CheckpointError, CheckpointManager
 from shardsafe.directory import step_name
+from shardsafe.lease import LEASE_SECONDS
 
 STATE = StepState(rows=8, cols=4, world=2)
 
@@ -84,3 +87,111 @@ def test_an_odd_file_at_a_lease_name_counts_as_held(tmp_path: Path, kind: str) -
         manager.save(3, STATE.whole_state(3))
     assert os.lstat(lock).st_ino == before.st_ino
     assert manager.steps() == [1, 2]
+
+
+SAVES = 60
+
+
+def _trainer(root: str, conn: Any) -> None:
+    """Forked child: save steps 1..SAVES synchronously; report every error."""
+    errors = []
+    try:
+        manager = _manager(Path(root))
+        for step in range(1, SAVES + 1):
+            try:
+                manager.save(step, STATE.whole_state(step))
+            except Exception as e:
+                errors.append(f"step {step}: {type(e).__name__}: {e}")
+        manager.close()
+    except BaseException as e:
+        errors.append(f"crashed: {e!r}")
+    finally:
+        conn.send(errors)
+        conn.close()
+        os._exit(0)
+
+
+def _poller(root: str, read_only: bool, stop: Any, conn: Any) -> None:
+    """Forked child: open the root again and again while the trainer saves (an eval poller)."""
+    opened = 0
+    problems = []
+    try:
+        while not stop.is_set():
+            try:
+                manager = CheckpointManager(root, async_save=False, read_only=read_only)
+                manager.steps()
+                opened += 1
+            except Exception as e:
+                problems.append(f"{type(e).__name__}: {e}")
+    finally:
+        conn.send((opened, problems))
+        conn.close()
+        os._exit(0)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_second_process_opening_the_root_never_breaks_the_trainer(
+    tmp_path: Path, read_only: bool
+) -> None:
+    root = tmp_path / "run"
+    root.mkdir()
+    ctx = multiprocessing.get_context("fork")
+    stop = ctx.Event()
+    t_parent, t_child = ctx.Pipe()
+    p_parent, p_child = ctx.Pipe()
+    poller = ctx.Process(target=_poller, args=(str(root), read_only, stop, p_child))
+    trainer = ctx.Process(target=_trainer, args=(str(root), t_child))
+    poller.start()
+    trainer.start()
+    try:
+        assert t_parent.poll(500), "the trainer did not finish"
+        errors = t_parent.recv()
+        stop.set()
+        assert p_parent.poll(60), "the poller did not stop"
+        opened, problems = p_parent.recv()
+    finally:
+        stop.set()
+        for proc in (trainer, poller):
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    assert errors == [], errors[:3]
+    assert problems == [], problems[:3]
+    assert opened > 0
+    assert (root / "latest").read_text() == f"{step_name(SAVES)}\n"
+    assert _manager(root).steps() == list(range(1, SAVES + 1))
+
+
+def test_a_read_only_manager_writes_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    _manager(root).save(1, STATE.whole_state(1))
+    leftover = root / ".step_000000002.shardsafe-tmp-0123456789abcdef"
+    leftover.mkdir()
+    before = sorted(os.listdir(root))
+    reader = CheckpointManager(root, async_save=False, read_only=True)
+    (root / step_name(1) / "data" / "rank-00000-00.bin").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError):
+        reader.restore(STATE.whole_template())
+    with pytest.raises(CheckpointError, match="read_only"):
+        reader.save(2, STATE.whole_state(2))
+    with pytest.raises(CheckpointError, match="read_only"):
+        reader.cleanup()
+    assert sorted(os.listdir(root)) == before  # no clean-up, no mark
+    with pytest.raises(ValueError, match="local_root"):
+        CheckpointManager(root, read_only=True, local_root=tmp_path / "local")
+
+
+def test_a_pointer_update_in_flight_is_left_alone_and_an_abandoned_one_removed(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    _manager(root).save(1, STATE.whole_state(1))
+    fresh = root / ".latest.shardsafe-tmp-00000000000000aa"
+    stale = root / ".latest.shardsafe-tmp-00000000000000bb"
+    for f in (fresh, stale):
+        f.write_text(f"{step_name(1)}\n")
+    old = time.time() - 2 * LEASE_SECONDS
+    os.utime(stale, (old, old))
+    _manager(root)  # the clean-up on open
+    assert fresh.exists() and not stale.exists()

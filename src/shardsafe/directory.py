@@ -19,7 +19,7 @@ from typing import Any
 
 from .errors import CheckpointError
 from .format import MANIFEST_NAME, Manifest
-from .lease import lease_state
+from .lease import LEASE_SECONDS, lease_state
 from .location import DAMAGED_SUFFIX, LOCK_SUFFIX, OLD_MARK, TMP_MARK
 from .storage import Storage, is_url, storage_for
 
@@ -265,10 +265,17 @@ class CheckpointDirectory(ABC):
             base = m.group("base")
             kind = "tmp" if m.group("tmp") else "old" if m.group("old") else "lock"
             if base == self.pointer and kind == "tmp":
-                out.append((entry, base, "pointer"))
+                if self._abandoned(entry):
+                    out.append((entry, base, "pointer"))
             elif self.owns(base) and base not in active and self.lease_state(base) != "held":
                 out.append((entry, base, kind))
         return out
+
+    def _abandoned(self, entry: str) -> bool:
+        """A temporary pointer file is an update in flight (another process's, maybe) until it is
+        older than a lease's ttl; only then is it a crashed update's leftover."""
+        written = self.storage.modified(entry)
+        return written is not None and time.time() - written > LEASE_SECONDS
 
     def recover(self, active: Collection[str] = ()) -> list[str]:
         """Put back a checkpoint whose name is empty while a complete copy lies beside it.
@@ -311,7 +318,8 @@ class CheckpointDirectory(ABC):
           (a complete one beside an empty name is restored by :meth:`recover` instead);
         * expired ``.<name>.shardsafe-lock`` leases;
         * owned directories without a manifest (see :meth:`claims_uncommitted`);
-        * temporary files of an interrupted pointer update.
+        * temporary files of an interrupted pointer update, once older than a lease's ttl
+          (until then they may be another process's update in flight).
 
         Nothing that holds a complete manifest is listed unless the same name holds one too.
         """

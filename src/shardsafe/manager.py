@@ -291,6 +291,10 @@ class CheckpointManager:
         if not self.async_save:
             try:
                 self._after_commit(name)
+            except Exception as e:
+                raise CheckpointError(
+                    f"{self._dir.path(name)} committed, but updating {self._dir.pointer!r} failed: {e}"
+                ) from e
             finally:
                 with self._lock:
                     self._active.discard(name)
