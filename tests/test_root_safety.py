@@ -3,8 +3,11 @@ use it: links to checkpoints elsewhere, odd files at reserved names, a second pr
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,9 +15,10 @@ from typing import Any
 import pytest
 from stepstate import StepState
 
-from shardsafe import CheckpointError, CheckpointManager
+from shardsafe import CheckpointError, CheckpointManager, loading
 from shardsafe.directory import step_name
 from shardsafe.lease import LEASE_SECONDS
+from shardsafe.storage.local import LocalStorage
 
 STATE = StepState(rows=8, cols=4, world=2)
 
@@ -195,3 +199,112 @@ def test_a_pointer_update_in_flight_is_left_alone_and_an_abandoned_one_removed(
     os.utime(stale, (old, old))
     _manager(root)  # the clean-up on open
     assert fresh.exists() and not stale.exists()
+
+
+def _wait_stopped(pid: int, seconds: float = 120.0) -> None:
+    """Until process ``pid`` is stopped (state T in /proc), at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+def _stalled_overwrite(root: str) -> None:
+    """Forked child: overwrite step 2 without RENAME_EXCHANGE, stopping itself (SIGSTOP) between
+    the two renames, as a preempted or paused writer does."""
+    rename = LocalStorage.rename
+
+    def stalling(self: LocalStorage, src: str, dst: str) -> None:
+        rename(self, src, dst)
+        if ".shardsafe-old-" in dst:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    LocalStorage.exchange = lambda self, a, b: False  # type: ignore[method-assign]
+    LocalStorage.rename = stalling  # type: ignore[method-assign]
+    try:
+        _manager(Path(root)).save(2, STATE.whole_state(7))
+    finally:
+        os._exit(0)
+
+
+@pytest.mark.timeout(300)
+def test_a_restore_between_the_two_renames_of_an_overwrite_reads_the_new_step(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    for step in (1, 2):
+        _manager(root).save(step, STATE.whole_state(step))
+    reader = _manager(root)
+    proc = multiprocessing.get_context("fork").Process(target=_stalled_overwrite, args=(str(root),))
+    proc.start()
+    try:
+        _wait_stopped(proc.pid)
+        assert not (root / step_name(2)).exists()  # the window: the name is empty
+        resume = threading.Timer(1.0, os.kill, (proc.pid, signal.SIGCONT))
+        resume.start()
+        out = reader.restore(STATE.whole_template())
+        resume.join()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    assert reader.restored_step == 2
+    STATE.assert_holds_step(out, 7)  # the new checkpoint of step 2
+    assert reader._dir.damaged() == {}
+
+
+def _stalled_restore(root: str, conn: Any) -> None:
+    """Forked child: restore, stopping itself (SIGSTOP) right after reading the manifest."""
+    real = loading.read_manifest
+    stopped = []
+
+    def stalling(path: Any) -> Any:
+        out = real(path)
+        if not stopped:
+            stopped.append(True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return out
+
+    loading.read_manifest = stalling  # type: ignore[assignment]
+    try:
+        manager = _manager(Path(root))
+        out = manager.restore(STATE.whole_template())
+        STATE.assert_holds_step(out, 7)
+        conn.send((manager.restored_step, manager._dir.damaged()))
+    except BaseException as e:
+        conn.send((repr(e), None))
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+@pytest.mark.timeout(300)
+def test_a_step_exchanged_while_it_is_read_is_read_again(tmp_path: Path) -> None:
+    """With RENAME_EXCHANGE the name is never empty, but a reader that read the old manifest
+    meets the new data files: that is no damage; the step is read again."""
+    root = tmp_path / "run"
+    writer = _manager(root)
+    for step in (1, 2):
+        writer.save(step, STATE.whole_state(step))
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_stalled_restore, args=(str(root), child))
+    proc.start()
+    try:
+        _wait_stopped(proc.pid)
+        writer.save(2, STATE.whole_state(7))  # replaces step 2 under the stopped reader
+        os.kill(proc.pid, signal.SIGCONT)
+        assert parent.poll(120), "the restoring process did not answer"
+        restored, damaged = parent.recv()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    assert (restored, damaged) == (2, {})
