@@ -4,6 +4,7 @@ use it: links to checkpoints elsewhere, odd files at reserved names, a second pr
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import multiprocessing
 import os
 import signal
@@ -17,7 +18,8 @@ from stepstate import StepState
 
 from shardsafe import CheckpointError, CheckpointManager, loading
 from shardsafe.directory import step_name
-from shardsafe.lease import LEASE_SECONDS
+from shardsafe.lease import LEASE_SECONDS, lease_state
+from shardsafe.saver import Saver
 from shardsafe.storage.local import LocalStorage
 
 STATE = StepState(rows=8, cols=4, world=2)
@@ -308,3 +310,94 @@ def test_a_step_exchanged_while_it_is_read_is_read_again(tmp_path: Path) -> None
         if proc.is_alive():
             proc.kill()
     assert (restored, damaged) == (2, {})
+
+
+def _frozen_publisher(root: str) -> None:
+    """Forked child: save step 2 with a 1 s lease and stop itself (SIGSTOP) between its last
+    lease check and the exchange that publishes: a stalled process, a paused VM."""
+    exchange = LocalStorage.exchange
+
+    def stalling(self: LocalStorage, a: str, b: str) -> bool:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return exchange(self, a, b)
+
+    LocalStorage.exchange = stalling  # type: ignore[method-assign]
+    try:
+        _manager(Path(root), lease_ttl=1.0).save(2, STATE.whole_state(5))
+    finally:
+        os._exit(0)
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_lease_holder_never_publishes_over_the_save_that_took_its_lease(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    _manager(root).save(2, STATE.whole_state(2))
+    proc = multiprocessing.get_context("fork").Process(target=_frozen_publisher, args=(str(root),))
+    proc.start()
+    done: list[Any] = []
+    try:
+        _wait_stopped(proc.pid)
+        lock = f".{step_name(2)}.shardsafe-lock"
+        storage = LocalStorage(str(root))
+        deadline = time.monotonic() + 60
+        while lease_state(storage, lock) != "expired":  # the frozen save's lease runs out
+            assert time.monotonic() < deadline, "the frozen save's lease never expired"
+            time.sleep(0.05)
+        works = set(root.glob(f".{step_name(2)}.shardsafe-tmp-*"))
+
+        def second_save() -> None:
+            """A save that runs no clean-up (a plain ``Saver``): the frozen save's work
+            directory stays, as it does when the second job opened its manager earlier."""
+            try:
+                saver = Saver(lease_ttl=60.0)
+                try:
+                    path = root / step_name(2)
+                    done.append(saver.save(STATE.whole_state(7), path, overwrite=True))
+                finally:
+                    saver.close()
+            except BaseException as e:
+                done.append(e)
+
+        saver = threading.Thread(target=second_save)
+        saver.start()
+        # let the second save get as far as it can: its manifest written, at its publish
+        while not done and not any(
+            (w / "manifest.json").exists()
+            for w in set(root.glob(f".{step_name(2)}.shardsafe-tmp-*")) - works
+        ):
+            assert time.monotonic() < deadline + 60, "the second save made no progress"
+            time.sleep(0.01)
+        time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGCONT)
+        saver.join(120)
+        proc.join(120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert done and not isinstance(done[0], BaseException), done
+    # the second save reported success: its checkpoint is the one at the name
+    reader = _manager(root)
+    STATE.assert_holds_step(reader.restore(STATE.whole_template(), step=2), 7)
+    assert reader.steps() == [2]
+
+
+def test_a_publish_fence_held_past_the_lease_ttl_fails_the_save_cleanly(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    _manager(root).save(1, STATE.whole_state(1))
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a process stopped inside its publish holds it
+        saver = Saver(lease_ttl=1.0)
+        try:
+            with pytest.raises(CheckpointError, match=r"publishing.*nothing was committed"):
+                saver.save(STATE.whole_state(2), root / step_name(2))
+        finally:
+            saver.close()
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(root)) == ["latest", step_name(1)]  # no work dir, no lease

@@ -134,6 +134,14 @@ class Storage(ABC):
         """
         return False
 
+    @contextmanager
+    def fence(self, rel: str, timeout: float) -> Iterator[None]:
+        """Hold the publish fence of directory ``rel`` for the block: one publish (a lease check
+        and the renames after it) at a time among processes that take it. Raises
+        ``TimeoutError`` after ``timeout`` seconds of waiting. Object stores have none (their
+        commit is one PUT, see FORMAT.md "Leases")."""
+        yield
+
     def evict(self, rel: str) -> None:  # noqa: B027 - a no-op is the right default
         """Drop cached copies of the durable file ``rel``, so that the next read comes from the
         device and not from memory (no-op where the backend keeps no cache)."""

@@ -6,11 +6,14 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import functools
 import io
+import logging
 import os
 import shutil
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
@@ -117,6 +120,39 @@ class LocalStorage(Storage):
             return False
         raise OSError(err, os.strerror(err), self.path(b))
 
+    @contextmanager
+    def fence(self, rel: str, timeout: float) -> Iterator[None]:
+        """``flock`` on the directory itself (no file of its own to leave behind), polled until
+        ``timeout``. Where the file system has no ``flock`` on directories the block runs
+        unfenced, with a warning (see FORMAT.md "Leases")."""
+        fd = os.open(self.path(rel), os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            deadline = time.monotonic() + timeout
+            locked = False
+            while not locked:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(
+                            f"{self.path(rel)}: another process has been publishing a checkpoint "
+                            f"here for over {timeout:.0f} s"
+                        ) from None
+                    time.sleep(0.02)
+                except OSError as e:
+                    if e.errno not in _NO_FLOCK:
+                        raise
+                    log.warning(
+                        "%s: no flock on this file system (%s); publishing without the fence",
+                        self.path(rel),
+                        e,
+                    )
+                    break
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
     def evict(self, rel: str) -> None:
         if not hasattr(os, "posix_fadvise"):
             return
@@ -155,6 +191,8 @@ class LocalStorage(Storage):
 
 
 _AT_FDCWD = -100
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF})
+log = logging.getLogger("shardsafe")
 
 
 @functools.cache
