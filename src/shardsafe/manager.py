@@ -492,6 +492,7 @@ class CheckpointManager:
         comm = get_comm(self.process_group)
         marks = comm.broadcast(self._dir.damaged() if comm.is_coordinator else None) or {}
         failures: list[str] = []
+        skipped: list[str] = []
         for index, candidate in enumerate(candidates):
             path = self._dir.path(candidate)
             if candidate in marks:
@@ -508,6 +509,7 @@ class CheckpointManager:
                 self._agree_damaged(candidate)
                 reason = str(e)
                 failures.append(f"{candidate}: {reason}")
+                skipped.append(f"{candidate}: {reason}")
                 nxt = candidates[index + 1] if index + 1 < len(candidates) else None
                 log.warning(
                     "restore: %s is damaged (%s); %s",
@@ -521,8 +523,11 @@ class CheckpointManager:
                     except Exception as mark_error:
                         log.warning("could not mark %s damaged: %s", candidate, mark_error)
                 continue
-            except _Vanished:
+            except _Vanished as gone:
+                if not fallback and gone.__cause__ is not None:
+                    raise gone.__cause__ from None
                 log.warning("restore: %s was deleted while it was read; trying the next", path)
+                skipped.append(f"{candidate}: deleted while it was read")
                 continue
             self._restored = candidate
             if candidate in marks:
@@ -533,9 +538,6 @@ class CheckpointManager:
                     except Exception as mark_error:
                         log.warning("could not clear the mark of %s: %s", candidate, mark_error)
             if index > 0:
-                skipped = failures or [
-                    f"{n}: deleted while it was read" for n in candidates[:index]
-                ]
                 log.warning(
                     "restore: restored %s from the persistent tier, not the newest step %s: %s",
                     candidate,
@@ -545,6 +547,11 @@ class CheckpointManager:
             else:
                 log.info("restore: restored %s from the persistent tier", candidate)
             return result
+        if not failures:
+            raise CheckpointNotFoundError(
+                f"every committed checkpoint under {self.root} was deleted while it was read: "
+                + "; ".join(skipped)
+            )
         raise CorruptCheckpointError(
             f"no committed checkpoint under {self.root} could be restored: "
             + "; ".join(failures)
