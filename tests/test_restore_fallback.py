@@ -331,3 +331,24 @@ def test_restoring_an_older_step_is_said_at_warning(
     older = [r for r in caplog.records if "restored" in r.getMessage()]
     assert older and all(r.levelno == logging.WARNING for r in older)
     assert f"restored {step_name(1)} from the persistent tier, not the newest step" in caplog.text
+
+
+def test_restoring_from_the_slower_tier_is_said_at_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def open_manager() -> CheckpointManager:
+        return CheckpointManager(
+            tmp_path / "persistent", local_root=tmp_path / "local", async_save=False
+        )
+
+    manager = open_manager()
+    manager.save(1, STATE.whole_state(1))
+    manager.close()
+    shutil.rmtree(tmp_path / "local")  # the host's disk was replaced
+    again = open_manager()
+    with caplog.at_level(logging.INFO, logger="shardsafe"):
+        STATE.assert_holds_step(again.restore(STATE.whole_template()), 1)
+    again.close()
+    assert again.restored_tier == "persistent"
+    said = [r for r in caplog.records if "persistent tier" in r.getMessage()]
+    assert said and any(r.levelno == logging.WARNING for r in said), caplog.text
