@@ -151,7 +151,7 @@ def patch_commit_then_die() -> Undo:
     before the rename into place (on object stores the manifest is itself the commit, so
     there the kill comes just before it)."""
 
-    def commit(loc: Any, token: str, manifest: Any, overwrite: bool) -> None:
+    def commit(loc: Any, token: str, manifest: Any, overwrite: bool, lease: Any = None) -> None:
         if loc.parent.atomic_rename:
             work = shardsafe.save_target.work_dir(loc, token)
             loc.parent.write_bytes(f"{work}/{MANIFEST_NAME}", manifest.dumps())

@@ -195,7 +195,7 @@ def test_sigkilled_rank_leaves_the_previous_checkpoint_latest(tmp_path: Path, mo
     with pytest.raises(CheckpointNotFoundError):
         CheckpointReader(target)
 
-    # the previous checkpoint is intact and still the latest; the manager removes the rest,
+    # the previous checkpoint is intact and still the pointer's; the manager removes the rest,
     # except a complete checkpoint: killed between its manifest and its rename, step 2 is
     # complete, and clean-up never deletes what holds a complete manifest (it renames it in)
     step1 = root / "step_000000001"
@@ -203,10 +203,13 @@ def test_sigkilled_rank_leaves_the_previous_checkpoint_latest(tmp_path: Path, mo
     manager = CheckpointManager(root, async_save=False)  # the coordinator cleans up on start
     restored = ["step_000000002"] if victim == 0 else []
     assert sorted(os.listdir(root)) == ["latest", "step_000000001", *restored]
-    assert manager.steps() == [1, *([2] if restored else [])] and manager.latest_step() == 1
+    # a complete step put back is the newest committed step: it is the latest, although the
+    # pointer (written before it committed) still names step 1
+    newest = 2 if restored else 1
+    assert manager.steps() == [1, *([2] if restored else [])] and manager.latest_step() == newest
     if restored:
         assert CheckpointReader(target).verify().ok
-    assert_holds_step(manager.restore(whole_template()), 1)
+    assert_holds_step(manager.restore(whole_template()), newest)
     # and the next save into the crashed step's name works
     manager.save(2, whole_state(2))
     assert manager.latest_step() == 2

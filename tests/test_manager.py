@@ -210,6 +210,8 @@ def test_crash_leftovers_are_recognised_and_cleaned(tmp_path: Path) -> None:
     (tmp_path / "step_000000006" / "data").mkdir(parents=True)  # no manifest
     (tmp_path / ".step_000000001.shardsafe-old-dead2").mkdir()  # interrupted overwrite/deletion
     (tmp_path / ".latest.shardsafe-tmp-dead3").write_text("step_000000005\n")
+    abandoned = time.time() - 3600  # a pointer update abandoned for an hour
+    os.utime(tmp_path / ".latest.shardsafe-tmp-dead3", (abandoned, abandoned))
     # Saves that may still be running, and what is not ours:
     _fake_save(tmp_path, "step_000000007", "live1")
     (tmp_path / ".step_000000007.shardsafe-lock").write_bytes(lease(host, os.getpid()))

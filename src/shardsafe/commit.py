@@ -6,14 +6,15 @@ systems; on object stores the manifest itself is the commit). On any failure, cl
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
 from . import __version__
 from .codec import encode_inline, is_plain_json
 from .dist import error_record
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointExistsError
 from .format import (
     MANIFEST_NAME,
     Extent,
@@ -23,6 +24,7 @@ from .format import (
     StoredPiece,
     TensorEntry,
 )
+from .lease import Lease
 from .location import Location
 from .save_plan import CoordinatorPlan, PlannedSave
 from .save_target import abort, check_target, work_dir
@@ -53,9 +55,7 @@ def finalize(
             planned.coordinator_plan, [r["result"] for r in records], content_metadata, block_bytes
         )
         check_files(loc, token, manifest)
-        if lease is not None:
-            lease.check()
-        commit(loc, token, manifest, overwrite)
+        commit(loc, token, manifest, overwrite, lease)
     except Exception as e:
         try:
             abort(loc, token, lease)
@@ -144,7 +144,9 @@ def _extent(obj: dict[str, Any]) -> Extent:
     return Extent(obj["file"], obj["byte_offset"], obj["nbytes"], tuple(obj["checksums"]))
 
 
-def commit(loc: Location, token: str, manifest: Manifest, overwrite: bool) -> None:
+def commit(
+    loc: Location, token: str, manifest: Manifest, overwrite: bool, lease: Lease | None = None
+) -> None:
     """Write the manifest last and publish; a checkpoint being replaced stays complete until then.
 
     File systems: fsync, then swap the work directory with the old checkpoint in one atomic
@@ -153,6 +155,12 @@ def commit(loc: Location, token: str, manifest: Manifest, overwrite: bool) -> No
     between the two renames leaves both complete beside the name, and the next clean-up
     renames the new one into place (:func:`shardsafe.directory.recover`).
 
+    With ``lease``, the check that the lease is still this save's and the renames run under
+    the parent directory's publish fence (:meth:`Storage.fence`): a save stalled past its
+    lease's expiry (SIGSTOP, a paused VM) either publishes before the save that took its lease
+    does (which then replaces it) or finds its lease gone and aborts; it never swaps its
+    checkpoint over the newer one (FORMAT.md "Leases").
+
     Object stores: the new data files carry the save's token, so writing them never touched
     the old checkpoint; the manifest PUT replaces the old one in one step and is the commit.
     The old checkpoint's files are deleted after it.
@@ -160,6 +168,8 @@ def commit(loc: Location, token: str, manifest: Manifest, overwrite: bool) -> No
     parent = loc.parent
     work = work_dir(loc, token)
     if not parent.atomic_rename:
+        if lease is not None:
+            lease.check()
         parent.write_bytes(f"{work}/{MANIFEST_NAME}", manifest.dumps())
         try:
             remove_unlisted(parent, loc.name, manifest)
@@ -169,18 +179,41 @@ def commit(loc: Location, token: str, manifest: Manifest, overwrite: bool) -> No
     parent.write_bytes(f"{work}/{MANIFEST_NAME}", manifest.dumps())
     parent.sync_dir(f"{work}/data")
     parent.sync_dir(work)
+    with _fence(loc, lease):
+        if lease is not None:
+            lease.check()
+        old = _publish(loc, parent, work, token, overwrite)
+    _after_commit(loc, parent, old)
+
+
+@contextmanager
+def _fence(loc: Location, lease: Lease | None) -> Iterator[None]:
+    if lease is None:
+        yield
+        return
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(loc.parent.fence("", lease.ttl))
+        except TimeoutError as e:
+            raise CheckpointExistsError(
+                f"{e}: a save stalled in its publish (stopped or paused?) holds the fence; "
+                f"nothing was committed to {loc.url}: retry once it has finished or been stopped"
+            ) from None
+        yield
+
+
+def _publish(loc: Location, parent: Storage, work: str, token: str, overwrite: bool) -> str | None:
+    """Move the work directory to the name; return where the replaced checkpoint now is."""
     if parent.exists(loc.name):
         check_target(loc, overwrite)
         if parent.exchange(work, loc.name):
-            _after_commit(loc, parent, work)  # the work directory now holds the old checkpoint
-            return
+            return work  # the work directory now holds the old checkpoint
         old = loc.old_name(token)
         parent.rename(loc.name, old)
         parent.rename(work, loc.name)
-        _after_commit(loc, parent, old)
-        return
+        return old
     parent.rename(work, loc.name)
-    _after_commit(loc, parent, None)
+    return None
 
 
 def _after_commit(loc: Location, parent: Storage, old: str | None) -> None:

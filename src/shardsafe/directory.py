@@ -6,6 +6,7 @@ The manager (numbered steps) and the NeuronX-style API (tags) both build on this
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from typing import Any
 
 from .errors import CheckpointError
 from .format import MANIFEST_NAME, Manifest
-from .lease import lease_state
+from .lease import LEASE_SECONDS, lease_state
 from .location import DAMAGED_SUFFIX, LOCK_SUFFIX, OLD_MARK, TMP_MARK
 from .storage import Storage, is_url, storage_for
 
@@ -27,6 +28,9 @@ log = logging.getLogger("shardsafe")
 STEP_PREFIX = "step_"
 STEP_DIGITS = 9
 _STEP_RE = re.compile(rf"{STEP_PREFIX}(\d{{{STEP_DIGITS},}})")
+OVERWRITE_WAIT = 10.0
+"""How long a reader waits for an overwrite between its two renames (a few microseconds
+unless its writer stalled or died) before reading without that checkpoint."""
 _HIDDEN_RE = re.compile(
     rf"\.(?P<base>.+?)(?:(?P<tmp>{re.escape(TMP_MARK)}.+)|(?P<old>{re.escape(OLD_MARK)}.+)|(?P<lock>{re.escape(LOCK_SUFFIX)}))"
 )
@@ -165,8 +169,11 @@ class CheckpointDirectory(ABC):
             self.storage.remove_tree(self.damage_mark(name))
 
     def restore_order(self) -> list[str]:
-        """Committed checkpoints in the order a restore tries them: the pointer's (or the
-        newest), then older ones newest first; marked ones after every unmarked one."""
+        """Committed checkpoints in the order a restore tries them: :meth:`latest`, then older
+        ones newest first, then any newer ones. A damage mark does not move a checkpoint: it
+        is a claim that the restore checks again (a mark is no verdict; the cause may have been
+        fixed), so a marked newer step is never hidden behind an older one."""
+        self.settle_overwrites()
         committed = self.committed()
         first = self.latest()
         if first is None:
@@ -175,14 +182,66 @@ class CheckpointDirectory(ABC):
             n for n in reversed(committed) if n != first and self.order(n) <= self.order(first)
         ]
         newer = [n for n in reversed(committed) if n != first and n not in older]
-        ordered = [first, *older, *newer]
-        marked = self.damaged()
-        return [n for n in ordered if n not in marked] + [n for n in ordered if n in marked]
+        return [first, *older, *newer]
+
+    def in_flight_overwrites(self) -> list[str]:
+        """Names moved aside by an overwrite that cannot exchange (two renames): the name is
+        empty while ``.<name>.shardsafe-old-*`` holds the complete old checkpoint."""
+        out = []
+        for entry in self.storage.list_dir(""):
+            m = _HIDDEN_RE.fullmatch(entry)
+            if m is None or not m.group("old"):
+                continue
+            base = m.group("base")
+            if self.owns(base) and not self.is_committed(base) and self.is_committed(entry):
+                out.append(base)
+        return out
+
+    def settle_overwrites(self, wait: float = OVERWRITE_WAIT) -> None:
+        """Wait (at most ``wait`` seconds) for overwrites between their two renames to finish,
+        so that a reader sees the old or the new checkpoint, never neither. Past the wait the
+        writer is taken for dead (its clean-up puts a checkpoint back, :meth:`recover`)."""
+        if not self.storage.atomic_rename:
+            return
+        deadline = time.monotonic() + wait
+        while True:
+            pending = self.in_flight_overwrites()
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "%s: an overwrite of %s has been between its two renames for %.0f s; "
+                    "reading without it",
+                    self.url,
+                    ", ".join(pending),
+                    wait,
+                )
+                return
+            time.sleep(0.01)
+
+    def fingerprint(self, name: str) -> str | None:
+        """What identifies the checkpoint now at ``name`` (a digest of its manifest), None when
+        nothing is committed there: a restore compares it before and after a failed load to
+        tell a checkpoint replaced while it was read from a damaged one."""
+        self.settle_overwrites()
+        try:
+            raw = self.storage.read_bytes(f"{name}/{MANIFEST_NAME}")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            return f"unreadable: {e}"
+        return hashlib.sha256(raw).hexdigest()
 
     def remove(self, name: str) -> None:
         """Delete a checkpoint, uncommitting it first (its manifest goes before its data), so an
-        interrupted deletion leaves only a recognisable leftover, never a torn checkpoint."""
+        interrupted deletion leaves only a recognisable leftover, never a torn checkpoint.
+
+        A name that is a symbolic link (a checkpoint linked in from elsewhere, to start from
+        it) loses the link only: nothing is ever deleted through a link."""
         self.unmark(name)
+        if self.storage.is_link(name):
+            self.storage.remove_tree(name)  # removes the link, not its target
+            return
         self.storage.remove_tree(f"{name}/{MANIFEST_NAME}")
         self.storage.remove_tree(name)
 
@@ -206,10 +265,17 @@ class CheckpointDirectory(ABC):
             base = m.group("base")
             kind = "tmp" if m.group("tmp") else "old" if m.group("old") else "lock"
             if base == self.pointer and kind == "tmp":
-                out.append((entry, base, "pointer"))
+                if self._abandoned(entry):
+                    out.append((entry, base, "pointer"))
             elif self.owns(base) and base not in active and self.lease_state(base) != "held":
                 out.append((entry, base, kind))
         return out
+
+    def _abandoned(self, entry: str) -> bool:
+        """A temporary pointer file is an update in flight (another process's, maybe) until it is
+        older than a lease's ttl; only then is it a crashed update's leftover."""
+        written = self.storage.modified(entry)
+        return written is not None and time.time() - written > LEASE_SECONDS
 
     def recover(self, active: Collection[str] = ()) -> list[str]:
         """Put back a checkpoint whose name is empty while a complete copy lies beside it.
@@ -252,7 +318,8 @@ class CheckpointDirectory(ABC):
           (a complete one beside an empty name is restored by :meth:`recover` instead);
         * expired ``.<name>.shardsafe-lock`` leases;
         * owned directories without a manifest (see :meth:`claims_uncommitted`);
-        * temporary files of an interrupted pointer update.
+        * temporary files of an interrupted pointer update, once older than a lease's ttl
+          (until then they may be another process's update in flight).
 
         Nothing that holds a complete manifest is listed unless the same name holds one too.
         """
@@ -308,10 +375,48 @@ class CheckpointDirectory(ABC):
 
 
 class StepDirectory(CheckpointDirectory):
-    """``step_NNNNNNNNN`` checkpoints ordered by step, with the pointer ``latest``."""
+    """``step_NNNNNNNNN`` checkpoints ordered by step, with the pointer ``latest``.
+
+    The pointer is trusted only when it was written after every newer committed step: a run
+    resumed from an older step moves the pointer to its next save although higher steps of the
+    abandoned run remain (it must not jump back to them), whereas a save that committed and
+    died before moving the pointer leaves a newer step committed *after* the pointer was
+    written: that step is the latest. When the storage cannot say when files were written,
+    the newest committed step wins.
+    """
 
     def __init__(self, root: str | os.PathLike[str], pointer: str = "latest") -> None:
         super().__init__(root, pointer)
+
+    def latest(self) -> str | None:
+        committed = self.committed()
+        if not committed:
+            return None
+        pointed = self.read_pointer()
+        if pointed is None or pointed not in committed:
+            return super().latest()
+        newer = [n for n in committed if self.order(n) > self.order(pointed)]
+        if not newer:
+            return pointed
+        written = self.storage.modified(self.pointer)
+        after = [
+            n
+            for n in newer
+            if written is None
+            or (committed_at := self.storage.modified(f"{n}/{MANIFEST_NAME}")) is None
+            or committed_at >= written
+        ]
+        if not after:
+            return pointed  # moved back on purpose, after those steps committed
+        log.warning(
+            "%s names %s, but %s committed after it was written (a save that died before "
+            "moving the pointer?); using %s",
+            self.storage.describe(self.pointer),
+            pointed,
+            after[-1],
+            after[-1],
+        )
+        return after[-1]
 
     def owns(self, name: str) -> bool:
         return parse_step(name) is not None

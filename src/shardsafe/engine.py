@@ -22,7 +22,7 @@ import torch
 from .checksum import block_checksums, digest
 from .codec import array_view
 from .directio import CacheAwareReader, DirectIO, aligned_empty, open_data_file
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, read_failure
 from .format import LARGE_ALIGN, LARGE_ITEM, SMALL_ALIGN, Extent, StoredPiece
 from .geometry import Box, flat_index, intersect, is_contiguous_in, strides
 from .storage.base import RandomReader, Storage
@@ -199,8 +199,8 @@ class DataReader:
                         f"partly deleted — {_RESTORE}"
                     ) from None
                 except OSError as e:
-                    raise CorruptCheckpointError(
-                        f"{what}: cannot open {self.storage.describe(rel)}: {e}"
+                    raise read_failure(
+                        f"{what}: cannot open {self.storage.describe(rel)}: {e}", e
                     ) from None
             return r
 
@@ -219,8 +219,8 @@ class DataReader:
                     f"partly deleted — {_RESTORE}"
                 ) from None
             except OSError as e:
-                raise CorruptCheckpointError(
-                    f"{what}: cannot open {self.storage.describe(extent.file)}: {e}"
+                raise read_failure(
+                    f"{what}: cannot open {self.storage.describe(extent.file)}: {e}", e
                 ) from None
             with self._lock:
                 self._sizes[extent.file] = size
@@ -250,8 +250,8 @@ class DataReader:
         except CheckpointError:
             raise
         except OSError as e:
-            raise CorruptCheckpointError(
-                f"{what}: cannot read {self.storage.describe(extent.file)}: {e}"
+            raise read_failure(
+                f"{what}: cannot read {self.storage.describe(extent.file)}: {e}", e
             ) from None
         self.bytes_read += len(out)
 

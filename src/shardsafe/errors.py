@@ -8,6 +8,7 @@ Messages name the key, file and ranks involved and say what to do.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 
@@ -39,6 +40,15 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 class UnsafeObjectError(CorruptCheckpointError):
     """A stored object needs a class or function that the safe loader does not allow."""
+
+
+class CheckpointReadError(CheckpointError, OSError):
+    """A checkpoint's file could not be read for a reason that proves nothing about its content
+    (permissions, an I/O error, a stale handle, too many open files): not damage, so a restore
+    neither falls back over it nor marks the checkpoint; fix the cause and retry."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class ValidationError(CheckpointError, ValueError):
@@ -78,22 +88,40 @@ class DistributedError(CheckpointError, RuntimeError):
 
 _DAMAGE = (
     "CorruptCheckpointError",
-    "UnsafeObjectError",
     "IncompleteCheckpointError",
     "CheckpointNotFoundError",
 )
 
 
 def is_damaged_checkpoint(e: BaseException) -> bool:
-    """True when ``e`` says the checkpoint's files are corrupt, incomplete or gone (on every
-    failing rank), as opposed to a request that does not fit or a rank that failed: the case
-    where an older checkpoint is worth trying."""
+    """True when ``e`` proves the checkpoint's files damaged (a checksum, a size, the structure:
+    corrupt, truncated, incomplete or gone) on every failing rank: the case where an older
+    checkpoint is worth trying.
+
+    Not damage: a request that does not fit, a rank that failed, a file the OS would not let
+    us read (:class:`CheckpointReadError`), a class missing from this process's allow-list
+    (:class:`UnsafeObjectError`: another process may load it). Those are raised."""
     if isinstance(e, DistributedError):
         types = set(e.rank_error_types.values())
         return bool(types) and types <= set(_DAMAGE)
     return isinstance(e, (CorruptCheckpointError, CheckpointNotFoundError)) and not isinstance(
-        e, CheckpointExistsError
+        e, (CheckpointExistsError, UnsafeObjectError)
     )
+
+
+_STRUCTURE_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG})
+
+
+def read_failure(message: str, error: OSError) -> CheckpointError:
+    """The error for an ``OSError`` met reading a checkpoint's file: damage
+    (:class:`CorruptCheckpointError`) when it is about what the checkpoint holds (a directory or
+    a link where a file belongs, a file a reader refuses: ``error.refused``), else a
+    :class:`CheckpointReadError`, which proves nothing about the bytes."""
+    if getattr(error, "refused", False) or error.errno in _STRUCTURE_ERRNOS:
+        return CorruptCheckpointError(message)
+    out = CheckpointReadError(message)
+    out.errno = error.errno
+    return out
 
 
 def describe_ranks(ranks: Sequence[int], limit: int = 8) -> str:

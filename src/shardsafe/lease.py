@@ -99,13 +99,24 @@ class LeaseInfo:
 
 
 def read_lease(storage: Storage, rel: str) -> LeaseInfo | str | None:
-    """The lease at ``rel``; None when absent; ``"unreadable"`` when present but not a lease."""
+    """The lease at ``rel``; None when absent; a description when something is there that is
+    not a lease (a directory, a link, a FIFO, unreadable or foreign bytes).
+
+    Such a thing is never opened through, followed or deleted: it counts as held, and only a
+    save that needs the name reports it (see :meth:`Lease.acquire`).
+    """
     try:
         raw = storage.read_bytes(rel)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except IsADirectoryError:
+        return "a directory, not a lease file"
+    except OSError as e:
+        if storage.is_link(rel):
+            return "a symbolic link, not a lease file"
+        return f"not a readable lease file ({e.strerror or e})"
     info = LeaseInfo.parse(raw)
-    return info if info is not None else "unreadable"
+    return info if info is not None else "not a lease (unrecognised content)"
 
 
 def lease_state(storage: Storage, rel: str) -> str:
@@ -153,7 +164,12 @@ class Lease:
             if storage.create_exclusive(rel, lease._info().to_bytes()) and lease.owned():
                 return lease
             current = read_lease(storage, rel)
-        held = current.describe() if isinstance(current, LeaseInfo) else "unreadable"
+        if isinstance(current, str):
+            raise CheckpointExistsError(
+                f"{storage.describe(rel)}, the lease name of this save, holds {current}; "
+                "shardsafe never deletes or follows it: move or delete it yourself, then retry"
+            )
+        held = current.describe() if isinstance(current, LeaseInfo) else "released meanwhile"
         raise CheckpointExistsError(
             f"another save holds the lease {storage.describe(rel)} ({held}); wait for it to "
             "finish or to expire (a dead save's lease expires after its ttl) and retry; if you "

@@ -30,6 +30,7 @@ from .errors import (
     IncompatibleRequestError,
     IncompleteCheckpointError,
     MissingKeyError,
+    read_failure,
 )
 from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, TensorEntry
 from .geometry import Box, intersect
@@ -123,9 +124,7 @@ def read_manifest(path: str | os.PathLike[str]) -> tuple[Manifest, Storage]:
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise _not_found(loc, storage) from None
     except OSError as e:
-        raise CorruptCheckpointError(
-            f"cannot read {storage.describe(MANIFEST_NAME)}: {e}"
-        ) from None
+        raise read_failure(f"cannot read {storage.describe(MANIFEST_NAME)}: {e}", e) from None
     return Manifest.loads(raw, storage.describe(MANIFEST_NAME)), storage
 
 

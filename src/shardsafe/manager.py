@@ -57,6 +57,14 @@ from .signals import DEAD_AFTER
 
 log = logging.getLogger("shardsafe")
 
+_REREADS = 3
+"""How many times a restore reads a checkpoint again that was replaced while it was read."""
+
+
+class _Vanished(Exception):
+    """The checkpoint a restore was reading was deleted meanwhile (no damage)."""
+
+
 ProgressFn = Callable[[str, int, int], None]
 
 
@@ -94,6 +102,7 @@ class CheckpointManager:
         drain: bool = False,
         direct_io: str | None = None,
         run_id: str | None = None,
+        read_only: bool = False,
     ) -> None:
         for what, value in (
             ("keep_last", keep_last),
@@ -105,6 +114,10 @@ class CheckpointManager:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"{what} must be a positive int or None, got {value!r}")
+        if read_only and local_root is not None:
+            raise ValueError("read_only opens the persistent root only: leave local_root out")
+        self.read_only = read_only
+        """Opened to read only (an evaluation poller, a monitor): nothing is cleaned, marked or saved."""
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
@@ -133,7 +146,7 @@ class CheckpointManager:
         # a step due in both tiers is saved locally, then copied to root in the background
         self.drain = drain
         self.direct_io = direct_io  # for saves (both tiers) and restores
-        if get_comm(process_group).is_coordinator:
+        if get_comm(process_group).is_coordinator and not read_only:
             self._dir.storage.make_dir("")
             self.cleanup()
         self._local: LocalTier | None = None
@@ -247,6 +260,7 @@ class CheckpointManager:
     ) -> AsyncSaveHandle | SaveStats:
         if self._closed:
             raise CheckpointError(f"the CheckpointManager of {self.root} is closed")
+        self._writable("save")
         previous = self._settle()
         if (
             previous is not None
@@ -283,6 +297,10 @@ class CheckpointManager:
         if not self.async_save:
             try:
                 self._after_commit(name)
+            except Exception as e:
+                raise CheckpointError(
+                    f"{self._dir.path(name)} committed, but updating {self._dir.pointer!r} failed: {e}"
+                ) from e
             finally:
                 with self._lock:
                     self._active.discard(name)
@@ -412,6 +430,13 @@ class CheckpointManager:
             load_into, None if step is None else step_name(step), fallback=fallback
         )
         self.restored_tier = "persistent"
+        if self._local is not None:
+            log.warning(
+                "restore: step %s restored from the persistent tier %s: the local tier had no "
+                "step as new that it could restore",
+                self.restored_step,
+                self.root,
+            )
         return result
 
     def _restore_local(
@@ -451,7 +476,11 @@ class CheckpointManager:
                 continue
             self._restored = name
             self.restored_tier = "local"
-            log.info("restore: step %s restored from the local tier", parse_step(name))
+            (log.warning if index > 0 else log.info)(
+                "restore: step %s restored from the local tier%s",
+                parse_step(name),
+                f", not its newest step {parse_step(steps[0])}" if index > 0 else "",
+            )
             return True, result
         return False, None
 
@@ -473,43 +502,98 @@ class CheckpointManager:
             self.restored_tier = "persistent"
             return result
         candidates = self._candidates()
+        comm = get_comm(self.process_group)
+        marks = comm.broadcast(self._dir.damaged() if comm.is_coordinator else None) or {}
         failures: list[str] = []
+        skipped: list[str] = []
         for index, candidate in enumerate(candidates):
+            path = self._dir.path(candidate)
+            if candidate in marks:
+                log.warning(
+                    "restore: %s is marked damaged (%s); checking it again",
+                    path,
+                    marks[candidate],
+                )
             try:
-                result = load_fn(self._dir.path(candidate))
+                result = self._load_settled(load_fn, candidate)
             except CheckpointError as e:
                 if not fallback or not is_damaged_checkpoint(e):
                     raise
                 self._agree_damaged(candidate)
                 reason = str(e)
                 failures.append(f"{candidate}: {reason}")
+                skipped.append(f"{candidate}: {reason}")
                 nxt = candidates[index + 1] if index + 1 < len(candidates) else None
                 log.warning(
                     "restore: %s is damaged (%s); %s",
-                    self._dir.path(candidate),
+                    path,
                     reason,
                     f"trying {nxt}" if nxt else "no other committed checkpoint is left",
                 )
-                if get_comm(self.process_group).is_coordinator:
+                if comm.is_coordinator and not self.read_only and candidate not in marks:
                     try:
                         self._dir.mark_damaged(candidate, reason)
                     except Exception as mark_error:
                         log.warning("could not mark %s damaged: %s", candidate, mark_error)
                 continue
+            except _Vanished as gone:
+                if not fallback and gone.__cause__ is not None:
+                    raise gone.__cause__ from None
+                log.warning("restore: %s was deleted while it was read; trying the next", path)
+                skipped.append(f"{candidate}: deleted while it was read")
+                continue
             self._restored = candidate
-            if failures:
+            if candidate in marks:
+                log.warning("restore: %s restored and verified: its damage mark is cleared", path)
+                if comm.is_coordinator and not self.read_only:
+                    try:
+                        self._dir.unmark(candidate)
+                    except Exception as mark_error:
+                        log.warning("could not clear the mark of %s: %s", candidate, mark_error)
+            if index > 0:
                 log.warning(
-                    "restore: used %s after %d damaged checkpoint(s): %s",
+                    "restore: restored %s from the persistent tier, not the newest step %s: %s",
                     candidate,
-                    len(failures),
-                    ", ".join(f.split(":", 1)[0] for f in failures),
+                    candidates[0],
+                    "; ".join(skipped),
                 )
+            else:
+                log.info("restore: restored %s from the persistent tier", candidate)
             return result
+        if not failures:
+            raise CheckpointNotFoundError(
+                f"every committed checkpoint under {self.root} was deleted while it was read: "
+                + "; ".join(skipped)
+            )
         raise CorruptCheckpointError(
             f"no committed checkpoint under {self.root} could be restored: "
             + "; ".join(failures)
             + " (the files are kept; `shardsafe verify` shows what is wrong)"
         )
+
+    def _load_settled(self, load_fn: Callable[[str], Any], name: str) -> Any:
+        """``load_fn`` on checkpoint ``name``; read again when it failed because the checkpoint
+        was replaced while it was read (an overwrite of the same step): that is no damage.
+        Raises :class:`_Vanished` when it was deleted meanwhile."""
+        comm = get_comm(self.process_group)
+        for attempt in range(_REREADS + 1):
+            before = comm.broadcast(self._dir.fingerprint(name) if comm.is_coordinator else None)
+            try:
+                return load_fn(self._dir.path(name))
+            except CheckpointError as e:
+                if not is_damaged_checkpoint(e):
+                    raise
+                after = comm.broadcast(self._dir.fingerprint(name) if comm.is_coordinator else None)
+                if after is None:
+                    raise _Vanished(name) from e
+                if after == before or attempt == _REREADS:
+                    raise
+                log.warning(
+                    "restore: %s was replaced while it was read (%s); reading it again",
+                    self._dir.path(name),
+                    e,
+                )
+        raise AssertionError("unreachable")
 
     def _candidates(self) -> list[str]:
         """The coordinator's restore order, the same on every rank."""
@@ -544,12 +628,20 @@ class CheckpointManager:
         """Coordinator: remove what crashed saves left behind (never this manager's saves in
         flight, nor anything a valid lease protects, nor a complete checkpoint: one found beside
         its empty name is renamed back); returns the removed names. Other ranks: []."""
+        self._writable("clean up")
         if not get_comm(self.process_group).is_coordinator:
             return []
         with self._maintenance:
             with self._lock:
                 active = set(self._active)
             return self._dir.clean(active)
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise CheckpointError(
+                f"cannot {what}: the CheckpointManager of {self.root} was opened with "
+                "read_only=True (open another one without it, in the training job)"
+            )
 
     def wait(self, timeout: float | None = None) -> SaveStats | None:
         """Wait for the save in flight (and its pointer update); return its stats.

@@ -14,6 +14,14 @@ from contextlib import contextmanager
 from typing import BinaryIO, Protocol
 
 
+class RefusedFileError(PermissionError):
+    """A reader refusing what it will not read (a link in place of a file, a FIFO, a sparse
+    file, a path leaving the root): about the checkpoint's structure, unlike an ``EACCES``
+    from the operating system."""
+
+    refused = True
+
+
 class ByteWriter(Protocol):
     def write(self, data: memoryview | bytes, /) -> int: ...
 
@@ -105,6 +113,16 @@ class Storage(ABC):
     def remove_tree(self, rel: str) -> None:
         """Remove a file or directory tree; missing is fine."""
 
+    def modified(self, rel: str) -> float | None:
+        """When the file ``rel`` was last written (unix seconds, the storage's own clock), or
+        None when absent or unknown; compared only with other files of the same storage."""
+        return None
+
+    def is_link(self, rel: str) -> bool:
+        """True when ``rel`` is a symbolic link (never on object stores): housekeeping removes
+        the link itself and never acts on what it points to."""
+        return False
+
     def rename(self, src: str, dst: str) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot rename")
 
@@ -115,6 +133,14 @@ class Storage(ABC):
         every instant; without it the commit falls back to two renames.
         """
         return False
+
+    @contextmanager
+    def fence(self, rel: str, timeout: float) -> Iterator[None]:
+        """Hold the publish fence of directory ``rel`` for the block: one publish (a lease check
+        and the renames after it) at a time among processes that take it. Raises
+        ``TimeoutError`` after ``timeout`` seconds of waiting. Object stores have none (their
+        commit is one PUT, see FORMAT.md "Leases")."""
+        yield
 
     def evict(self, rel: str) -> None:  # noqa: B027 - a no-op is the right default
         """Drop cached copies of the durable file ``rel``, so that the next read comes from the

@@ -22,6 +22,7 @@ import os
 import posixpath
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from datetime import datetime
 from typing import Any, BinaryIO, TypeVar, cast
 
 from .base import Storage
@@ -153,6 +154,13 @@ class FsspecStorage(Storage):
         """True when objects exist under the prefix ``rel/`` (object stores have no empty dirs)."""
         info = self._info(rel)
         return info is not None and info.get("type") == "directory"
+
+    def modified(self, rel: str) -> float | None:
+        info = self._info(rel)
+        when = None if info is None else info.get("LastModified", info.get("mtime"))
+        if isinstance(when, datetime):
+            return when.timestamp()
+        return float(when) if isinstance(when, (int, float)) else None
 
     def list_dir(self, rel: str) -> list[str]:
         path = self.path(rel)

@@ -6,16 +6,19 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import functools
 import io
+import logging
 import os
 import shutil
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-from .base import Storage
+from .base import RefusedFileError, Storage
 
 
 class LocalStorage(Storage):
@@ -80,6 +83,15 @@ class LocalStorage(Storage):
                 os.remove(path)  # never leave a partial file that looks written
             raise
 
+    def modified(self, rel: str) -> float | None:
+        try:
+            return os.lstat(self.path(rel)).st_mtime_ns / 1e9
+        except OSError:
+            return None
+
+    def is_link(self, rel: str) -> bool:
+        return os.path.islink(self.path(rel))
+
     def make_dir(self, rel: str) -> None:
         os.makedirs(self.path(rel), exist_ok=True)
 
@@ -107,6 +119,39 @@ class LocalStorage(Storage):
         if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
             return False
         raise OSError(err, os.strerror(err), self.path(b))
+
+    @contextmanager
+    def fence(self, rel: str, timeout: float) -> Iterator[None]:
+        """``flock`` on the directory itself (no file of its own to leave behind), polled until
+        ``timeout``. Where the file system has no ``flock`` on directories the block runs
+        unfenced, with a warning (see FORMAT.md "Leases")."""
+        fd = os.open(self.path(rel), os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            deadline = time.monotonic() + timeout
+            locked = False
+            while not locked:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(
+                            f"{self.path(rel)}: another process has been publishing a checkpoint "
+                            f"here for over {timeout:.0f} s"
+                        ) from None
+                    time.sleep(0.02)
+                except OSError as e:
+                    if e.errno not in _NO_FLOCK:
+                        raise
+                    log.warning(
+                        "%s: no flock on this file system (%s); publishing without the fence",
+                        self.path(rel),
+                        e,
+                    )
+                    break
+            yield
+        finally:
+            os.close(fd)  # releases the flock
 
     def evict(self, rel: str) -> None:
         if not hasattr(os, "posix_fadvise"):
@@ -146,6 +191,8 @@ class LocalStorage(Storage):
 
 
 _AT_FDCWD = -100
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF})
+log = logging.getLogger("shardsafe")
 
 
 @functools.cache
@@ -181,17 +228,17 @@ def open_checked(root: str, rel: str, *, dense: bool = True) -> tuple[int, int]:
     """
     path = os.path.join(root, rel) if rel else root
     if os.path.isabs(rel) or ".." in rel.split("/") or "\0" in rel:
-        raise PermissionError(errno.EACCES, "refusing a path that leaves the directory", path)
+        raise RefusedFileError(errno.EACCES, "refusing a path that leaves the directory", path)
     real_root = os.path.realpath(root)
     parent = os.path.realpath(os.path.dirname(path))
     if parent != real_root and not parent.startswith(real_root.rstrip(os.sep) + os.sep):
-        raise PermissionError(
+        raise RefusedFileError(
             errno.EACCES,
             f"refusing to follow a symbolic link that leads outside {real_root} to {parent}",
             path,
         )
     if os.path.islink(path):  # lstat only: the link's target is neither opened nor stat'ed
-        raise PermissionError(
+        raise RefusedFileError(
             errno.EACCES,
             "refusing to follow a symbolic link in place of a file (it may lead outside)",
             path,
@@ -201,7 +248,7 @@ def open_checked(root: str, rel: str, *, dense: bool = True) -> tuple[int, int]:
         fd = os.open(path, flags)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise PermissionError(
+            raise RefusedFileError(
                 errno.EACCES, "refusing to follow a symbolic link in place of a file", path
             ) from None
         raise
@@ -210,9 +257,11 @@ def open_checked(root: str, rel: str, *, dense: bool = True) -> tuple[int, int]:
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         if not stat.S_ISREG(st.st_mode):
-            raise PermissionError(errno.EACCES, "refusing to read what is not a regular file", path)
+            raise RefusedFileError(
+                errno.EACCES, "refusing to read what is not a regular file", path
+            )
         if dense and st.st_size > SPARSE_SLACK + 4 * st.st_blocks * 512:
-            raise PermissionError(
+            raise RefusedFileError(
                 errno.EACCES,
                 f"refusing a sparse file ({st.st_size} bytes, {st.st_blocks * 512} allocated)",
                 path,
@@ -233,7 +282,7 @@ def read_checked(root: str, rel: str, limit: int | None = None) -> bytes:
     fd, size = open_checked(root, rel)
     try:
         if limit is not None and size > limit:
-            raise PermissionError(
+            raise RefusedFileError(
                 errno.EFBIG,
                 f"refusing a file of {size} bytes (the limit is {limit})",
                 os.path.join(root, rel),
@@ -257,7 +306,7 @@ def open_regular(path: str | os.PathLike[str]) -> io.BufferedReader:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise PermissionError(
+            raise RefusedFileError(
                 errno.EACCES, "refusing to read what is not a regular file", os.fspath(path)
             )
         os.set_blocking(fd, True)
