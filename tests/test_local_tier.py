@@ -19,6 +19,7 @@ import torch
 from shardsafe import CheckpointManager
 from shardsafe.peers import Copy, complete_steps, plan_copies, replica_peers
 from tests.distributed import RankFailure, preload_forkserver, run_ranks
+from tests.manifests import sealed
 from tests.tierstate import COLS, ROWS, reference, rows_of, state_of, train_step
 
 pytestmark = pytest.mark.timeout(300)
@@ -381,9 +382,9 @@ def test_places_disagreeing_on_a_manifest_fall_back_a_step(
 ) -> None:
     run = fresh_copy(trained, tmp_path)
     # host b's manifest of step 13 is valid but not the one host a holds (written again with
-    # other whitespace: another digest); neither can be trusted over the other
+    # other whitespace, sealed again: another digest); neither can be trusted over the other
     manifest = place(run, "b") / "step_000000013" / "manifest.json"
-    manifest.write_text(json.dumps(json.loads(manifest.read_text()), indent=3))
+    manifest.write_bytes(sealed(json.loads(manifest.read_text()), indent=3))
     results = run_ranks(_restore, 2, str(run), ["a", "b"], timeout=240, start_method="forkserver")
     assert {r["restored"] for r in results} == {12}
     assert all(r["tier"] == "local" for r in results)

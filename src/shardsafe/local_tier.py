@@ -391,9 +391,7 @@ class LocalTier:
                     return {"errors": errors}
                 manifest = _renamed(Manifest.from_json(done["manifest"]), target)
                 check_files(ploc, token, manifest)
-                if lease is not None:
-                    lease.check()
-                commit(ploc, token, manifest, overwrite=True)
+                commit(ploc, token, manifest, overwrite=True, lease=lease)
                 if lease is not None:
                     lease.release()
                 drain.on_commit()
@@ -625,7 +623,7 @@ class LocalTier:
             return status
         try:
             manifest = Manifest.from_json(status["manifest"])
-            commit(loc, planned.token, manifest, overwrite=True)
+            commit(loc, planned.token, manifest, overwrite=True, lease=lease)
         except Exception as e:
             abort(loc, planned.token, lease)
             raise CheckpointError(

@@ -464,10 +464,8 @@ class CheckpointManager:
             try:
                 result = local_restore.restore(local, name, inv, state, load_into)
             except CheckpointError as e:
-                if not fallback or (
-                    isinstance(e, DistributedError) and not is_damaged_checkpoint(e)
-                ):
-                    raise
+                if not fallback or not is_damaged_checkpoint(e):
+                    raise  # only proven damage moves on (an unreadable file is no proof)
                 local.mark_damaged(name, str(e))
                 nxt = steps[index + 1] if index + 1 < len(steps) else "the persistent tier"
                 log.warning(
