@@ -38,6 +38,17 @@ class Tiny(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}
 
 
+class Sharded(Tiny):
+    """The same module, FSDP2-sharded over the data-parallel mesh in ``configure_model``."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        fully_shard(self.net[0], mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
 def data() -> DataLoader:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 4, generator=g)
@@ -52,11 +63,17 @@ def main() -> None:
     ap.add_argument("--resume", default=None)
     ap.add_argument("--checkpoints", action="store_true")
     ap.add_argument("--async-save", action="store_true")
+    ap.add_argument("--model-parallel", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.makedirs(args.root, exist_ok=True)
     torch.manual_seed(1)
-    model = Tiny()
+    model = Sharded() if args.model_parallel else Tiny()
+    strategy: object = "ddp" if args.devices > 1 else "auto"
+    if args.model_parallel:
+        strategy = shardsafe.lightning.ModelParallelStrategy(
+            data_parallel_size=args.devices, tensor_parallel_size=1
+        )
     callbacks = []
     if args.checkpoints:
         callbacks.append(
@@ -67,7 +84,7 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        strategy=strategy,
         max_epochs=args.epochs,
         plugins=[shardsafe.lightning.CheckpointIO(async_save=args.async_save)],
         callbacks=callbacks,
@@ -91,12 +108,24 @@ def main() -> None:
                     f,
                 )
         sys.exit(3)
+    opt = trainer.optimizers[0]
+    if args.model_parallel:  # every rank takes part in gathering the full state
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(model, options=full)
+        optim_state = get_optimizer_state_dict(model, opt, options=full)
+    else:
+        model_state, optim_state = model.state_dict(), opt.state_dict()
     if trainer.global_rank == 0:
-        opt = trainer.optimizers[0]
         torch.save(
             {
-                "model": model.state_dict(),
-                "optimizer": opt.state_dict(),
+                "model": model_state,
+                "optimizer": optim_state,
                 "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
                 "global_step": trainer.global_step,
                 "epoch": trainer.current_epoch,

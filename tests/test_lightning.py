@@ -119,6 +119,37 @@ def test_ddp_two_ranks_resume_in_a_fresh_process_is_exact(tmp_path: Path) -> Non
     assert not (gen / "g3.pt").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_model_parallel_fsdp2_two_ranks_saves_its_shards_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    ref, gen = tmp_path / "ref", tmp_path / "gen"
+    mp = ("--devices", "2", "--model-parallel")
+    assert run_job(ref, ref / "out.pt", *mp, "--epochs", "2") == 0
+    assert run_job(gen, gen / "g1.pt", *mp, "--epochs", "1", "--checkpoints") == 0
+    first = gen / "ckpts" / "epoch=0-step=4.ckpt"
+    assert cli_main(["verify", str(first)]) == 0
+    reader = shardsafe.CheckpointReader(first)
+    # each rank wrote its own half of the FSDP2 shards: two pieces per sharded tensor
+    assert len(reader.manifest.tensors["state_dict.net.0.weight"].pieces) == 2
+    assert len(reader.manifest.tensors["optimizer_states.0.state.net.0.weight.exp_avg"].pieces) == 2
+    assert not (first / "meta.pt").exists()  # no pickled side file
+    args = (*mp, "--epochs", "2", "--resume", str(first))
+    assert run_job(gen, gen / "g2.pt", *args) == 0
+    want = torch.load(ref / "out.pt", weights_only=True)
+    got = torch.load(gen / "g2.pt", weights_only=True)
+    assert got["global_step"] == want["global_step"] == 8
+    assert_same(got["model"], want["model"], "model")
+    assert_same(got["optimizer"], want["optimizer"], "optimizer")
+    assert_same(got["scheduler"], want["scheduler"], "scheduler")
+
+    flip_a_byte(first)
+    assert run_job(gen, gen / "g3.pt", *args) == 3
+    failure = json.loads((gen / "g3.pt.json").read_text())
+    assert failure["error"] == "CorruptCheckpointError", failure
+
+
 # -- in this process, one device ---------------------------------------------------------------
 
 

@@ -12,9 +12,11 @@ verified, no pickle run; damage raises a :class:`~shardsafe.CheckpointError`, so
 
 Strategies: single device and DDP (``ddp``, ``ddp_spawn``...), where Lightning calls the plugin on
 global rank 0 to save (one process writes the replicated state, through a process group of that
-rank alone) and on every rank to load. FSDP and ModelParallel strategies bypass ``CheckpointIO``
-for their sharded saves (they call DCP themselves); use ``state_dict_type="full"`` with them, or
-:mod:`shardsafe.dcp` directly.
+rank alone) and on every rank to load. Lightning's FSDP and ModelParallel strategies bypass
+``CheckpointIO`` for their sharded saves (they call DCP themselves): for ModelParallel (FSDP2 /
+tensor parallel through ``configure_model``), ``Trainer(strategy=shardsafe.lightning.
+ModelParallelStrategy(...))`` saves the whole checkpoint, each rank writing its own DTensor
+shards.
 
 ``ModelCheckpoint(save_top_k=...)`` deletes through :meth:`CheckpointIO.remove_checkpoint`, which
 deletes only a committed shardsafe checkpoint this plugin wrote (its manifest says so) and raises
@@ -31,6 +33,8 @@ import torch
 
 try:
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
+    from pytorch_lightning.strategies import ModelParallelStrategy as _ModelParallelStrategy
+    from pytorch_lightning.trainer.states import TrainerFn
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "shardsafe.lightning needs PyTorch Lightning 2.x: pip install pytorch-lightning"
@@ -42,7 +46,7 @@ from .loading import load, load_content_metadata
 from .location import locate
 from .saver import AsyncSaveHandle, Saver
 
-__all__ = ["WRITER", "CheckpointIO"]
+__all__ = ["WRITER", "CheckpointIO", "ModelParallelStrategy"]
 
 WRITER = "shardsafe.lightning"  # content_metadata["writer"] of the checkpoints this plugin writes
 _MODULE_METADATA = "shardsafe.lightning/state_dict._metadata"  # where state_dict._metadata rides
@@ -164,6 +168,101 @@ class CheckpointIO(_LightningCheckpointIO):
         if self._saver is None:
             self._saver = Saver(self._get_group(), **self.options)
         return self._saver
+
+
+class ModelParallelStrategy(_ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` whose distributed checkpoints are shardsafe ones.
+
+    Every rank saves with one :class:`~shardsafe.Saver` commit over the default group: the
+    module's and optimizers' DTensor shards (each rank writes its own; replicas once) and
+    Lightning's other state as common state, which must be equal on every rank (a difference is
+    an error naming the value and ranks). Loading reads into the current mesh, every block
+    verified before the module or optimizers change.
+    Arguments are Lightning's, plus ``saver_options`` for the :class:`~shardsafe.Saver`. With
+    ``save_distributed_checkpoint=False`` Lightning gathers a full checkpoint and saves it
+    through the ``CheckpointIO`` (pass :class:`CheckpointIO` as a plugin for that).
+    """
+
+    def __init__(self, *args: Any, saver_options: dict[str, Any] | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._saver_options = dict(saver_options or {})
+        self._shardsafe_saver: Saver | None = None
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                f"{filepath}: shardsafe's ModelParallelStrategy takes no storage_options"
+            )
+        path = os.fspath(self.broadcast(os.fspath(filepath)))
+        overwrite = _ours(path, "overwrite")
+        if self._shardsafe_saver is None:
+            self._shardsafe_saver = Saver(**self._saver_options)
+        content = {"writer": WRITER, "lightning_keys": sorted(map(str, checkpoint))}
+        self._shardsafe_saver.save(checkpoint, path, overwrite=overwrite, content_metadata=content)
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))
+        if not _ours(path, "load"):
+            raise CheckpointNotFoundError(f"{path}: no checkpoint there")
+        assert self.model is not None and self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        # copies: the live module and optimizers change only after every block was verified
+        template: dict[str, Any] = {"state_dict": _copied(get_model_state_dict(self.model))}
+        if fitting and self.optimizers:
+            template["optimizer_states"] = [
+                _copied(get_optimizer_state_dict(self.model, opt)) for opt in self.optimizers
+            ]
+        state = load(template, path)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: holds no Lightning checkpoint (its state is no dict)")
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(
+            self.model, state.pop("state_dict"), options=StateDictOptions(strict=strict)
+        )
+        optimizer_states = state.pop("optimizer_states", None)
+        if fitting and self.optimizers:
+            if not isinstance(optimizer_states, list) or len(optimizer_states) != len(
+                self.optimizers
+            ):
+                raise CheckpointError(
+                    f"{path}: holds no state for the {len(self.optimizers)} optimizers here"
+                )
+            for opt, sd in zip(self.optimizers, optimizer_states, strict=True):
+                set_optimizer_state_dict(self.model, opt, sd)
+        return state
+
+    def teardown(self) -> None:
+        try:
+            if self._shardsafe_saver is not None:
+                self._shardsafe_saver.close()
+                self._shardsafe_saver = None
+        finally:
+            super().teardown()
+
+
+def _copied(tree: Any) -> Any:
+    """``tree`` with every tensor (DTensors included) replaced by a detached copy."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _copied(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copied(v) for v in tree]
+    return tree
 
 
 def _ours(path: str, what: str) -> bool:
