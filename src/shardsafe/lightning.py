@@ -1,0 +1,306 @@
+"""PyTorch Lightning (``pytorch_lightning`` 2.x) saving through shardsafe:
+``Trainer(plugins=[shardsafe.lightning.CheckpointIO()])`` is the whole change.
+
+Lightning hands its ``CheckpointIO`` one dict per checkpoint (``state_dict``, ``optimizer_states``,
+``lr_schedulers``, ``loops``, ``callbacks``, hyper-parameters...). The plugin saves that dict
+with a :class:`~shardsafe.Saver` as a shardsafe checkpoint directory at Lightning's path: every
+tensor is a stored tensor with per-block checksums, everything else is common state in the safe
+codec (a value it cannot store is refused with its key, never dropped), and the manifest is
+published atomically. ``load_checkpoint`` reads it back with :func:`shardsafe.load`: every block
+verified, no pickle run; damage raises a :class:`~shardsafe.CheckpointError`, so
+``trainer.fit(ckpt_path=...)`` never resumes from garbage.
+
+Strategies: single device and DDP (``ddp``, ``ddp_spawn``...), where Lightning calls the plugin on
+global rank 0 to save (one process writes the replicated state, through a process group of that
+rank alone) and on every rank to load. Lightning's FSDP and ModelParallel strategies bypass
+``CheckpointIO`` for their sharded saves (they call DCP themselves): for ModelParallel (FSDP2 /
+tensor parallel through ``configure_model``), ``Trainer(strategy=shardsafe.lightning.
+ModelParallelStrategy(...))`` saves the whole checkpoint, each rank writing its own DTensor
+shards.
+
+``ModelCheckpoint(save_top_k=...)`` deletes through :meth:`CheckpointIO.remove_checkpoint`, which
+deletes only a committed shardsafe checkpoint this plugin wrote (its manifest says so) and raises
+for anything else: a stranger's file or directory is never deleted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+try:
+    from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
+    from pytorch_lightning.strategies import ModelParallelStrategy as _ModelParallelStrategy
+    from pytorch_lightning.trainer.states import TrainerFn
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "shardsafe.lightning needs PyTorch Lightning 2.x: pip install pytorch-lightning"
+    ) from e
+
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from .lease import lease_state
+from .loading import load, load_content_metadata
+from .location import locate
+from .saver import AsyncSaveHandle, Saver
+
+__all__ = ["WRITER", "CheckpointIO", "ModelParallelStrategy"]
+
+WRITER = "shardsafe.lightning"  # content_metadata["writer"] of the checkpoints this plugin writes
+_MODULE_METADATA = "shardsafe.lightning/state_dict._metadata"  # where state_dict._metadata rides
+
+
+class CheckpointIO(_LightningCheckpointIO):
+    """Lightning's ``CheckpointIO`` writing and reading shardsafe checkpoints.
+
+    ``async_save=True`` returns once the state is staged in host memory and writes in the
+    background (one save in flight; the next save, a load, a removal and ``teardown`` wait for
+    it and raise its error). ``options`` are :class:`shardsafe.Saver`'s (``files_per_rank``,
+    ``verify_after_write``, ``direct_io``...). Lightning's ``AsyncCheckpointIO`` wrapper works too,
+    but then a removal does not wait for a save in flight.
+    """
+
+    def __init__(self, *, async_save: bool = False, **options: Any) -> None:
+        self.async_save = async_save
+        self.options = options
+        self._saver: Saver | None = None
+        self._group: Any = None
+        self._inflight: AsyncSaveHandle | None = None
+
+    # -- Lightning's CheckpointIO --------------------------------------------------------------
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"{path}: shardsafe.lightning.CheckpointIO takes no storage_options (got "
+                f"{storage_options!r}); pass Saver options to CheckpointIO(...)"
+            )
+        self.wait()
+        path = os.fspath(path)
+        overwrite = _ours(path, "overwrite")  # Lightning re-saves e.g. last.ckpt in place
+        state = dict(checkpoint)
+        module_state = state.get("state_dict")
+        meta = getattr(module_state, "_metadata", None)
+        if meta is not None:  # the module versions load_state_dict consults
+            state[_MODULE_METADATA] = {k: dict(v) for k, v in meta.items()}
+        saver = self._get_saver()
+        content = {"writer": WRITER, "lightning_keys": sorted(map(str, checkpoint))}
+        if self.async_save:
+            self._inflight = saver.async_save(
+                state, path, overwrite=overwrite, content_metadata=content
+            )
+        else:
+            saver.save(state, path, overwrite=overwrite, content_metadata=content)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """The checkpoint dict as Lightning saved it (``weights_only`` is moot: nothing is
+        unpickled). ``map_location``: None (CPU), a device or a device name."""
+        self.wait()
+        path = os.fspath(path)
+        if not os.path.isdir(path) and os.path.exists(path):
+            raise CheckpointNotFoundError(
+                f"{path} is a file, not a shardsafe checkpoint directory; resume from a "
+                "checkpoint written by shardsafe.lightning.CheckpointIO, or convert this one "
+                "with `shardsafe convert`"
+            )
+        state = load({}, path, process_group=self._get_group())
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: holds no Lightning checkpoint (its state is no dict)")
+        meta = state.pop(_MODULE_METADATA, None)
+        if isinstance(state.get("state_dict"), dict):
+            module_state = OrderedDict(state["state_dict"])
+            if meta is not None:
+                module_state._metadata = meta  # type: ignore[attr-defined]
+            state["state_dict"] = module_state
+        if map_location is not None:
+            state = _to_device(state, map_location, path)
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete a checkpoint this plugin wrote (manifest first, so an interruption leaves a
+        recognisable leftover); raise for anything else at ``path``."""
+        self.wait()
+        path = os.fspath(path)
+        if not os.path.lexists(path):
+            return  # as Lightning's own CheckpointIO: nothing there, nothing to delete
+        _ours(path, "delete")
+        loc = locate(path)
+        if lease_state(loc.parent, loc.lock_name) == "held":
+            raise CheckpointExistsError(
+                f"{path}: a save into it holds its lease; not deleted (retry once it finished)"
+            )
+        loc.parent.remove_tree(loc.join("manifest.json"))
+        loc.parent.remove_tree(loc.name)
+
+    def teardown(self) -> None:
+        """Wait for the save in flight (raising its error), then free the Saver."""
+        try:
+            self.wait()
+        finally:
+            if self._saver is not None:
+                self._saver.close()
+                self._saver = None
+
+    # -- ours ------------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Wait for the async save in flight, raising its :class:`CheckpointError`."""
+        handle, self._inflight = self._inflight, None
+        if handle is not None:
+            handle.result()
+
+    def _get_group(self) -> Any:
+        """None in one process; else a process group of this rank alone: Lightning calls a
+        CheckpointIO from global rank 0 to save and from each rank to load."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._group is None:
+            rank = dist.get_rank()
+            self._group = dist.new_group([rank], use_local_synchronization=True)
+        return self._group
+
+    def _get_saver(self) -> Saver:
+        if self._saver is None:
+            self._saver = Saver(self._get_group(), **self.options)
+        return self._saver
+
+
+class ModelParallelStrategy(_ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` whose distributed checkpoints are shardsafe ones.
+
+    Every rank saves with one :class:`~shardsafe.Saver` commit over the default group: the
+    module's and optimizers' DTensor shards (each rank writes its own; replicas once) and
+    Lightning's other state as common state, which must be equal on every rank (a difference is
+    an error naming the value and ranks). Loading reads into the current mesh, every block
+    verified before the module or optimizers change.
+    Arguments are Lightning's, plus ``saver_options`` for the :class:`~shardsafe.Saver`. With
+    ``save_distributed_checkpoint=False`` Lightning gathers a full checkpoint and saves it
+    through the ``CheckpointIO`` (pass :class:`CheckpointIO` as a plugin for that).
+    """
+
+    def __init__(self, *args: Any, saver_options: dict[str, Any] | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._saver_options = dict(saver_options or {})
+        self._shardsafe_saver: Saver | None = None
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                f"{filepath}: shardsafe's ModelParallelStrategy takes no storage_options"
+            )
+        path = os.fspath(self.broadcast(os.fspath(filepath)))
+        overwrite = _ours(path, "overwrite")
+        if self._shardsafe_saver is None:
+            self._shardsafe_saver = Saver(**self._saver_options)
+        content = {"writer": WRITER, "lightning_keys": sorted(map(str, checkpoint))}
+        self._shardsafe_saver.save(checkpoint, path, overwrite=overwrite, content_metadata=content)
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))
+        if not _ours(path, "load"):
+            raise CheckpointNotFoundError(f"{path}: no checkpoint there")
+        assert self.model is not None and self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        # copies: the live module and optimizers change only after every block was verified
+        template: dict[str, Any] = {"state_dict": _copied(get_model_state_dict(self.model))}
+        if fitting and self.optimizers:
+            template["optimizer_states"] = [
+                _copied(get_optimizer_state_dict(self.model, opt)) for opt in self.optimizers
+            ]
+        state = load(template, path)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: holds no Lightning checkpoint (its state is no dict)")
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(
+            self.model, state.pop("state_dict"), options=StateDictOptions(strict=strict)
+        )
+        optimizer_states = state.pop("optimizer_states", None)
+        if fitting and self.optimizers:
+            if not isinstance(optimizer_states, list) or len(optimizer_states) != len(
+                self.optimizers
+            ):
+                raise CheckpointError(
+                    f"{path}: holds no state for the {len(self.optimizers)} optimizers here"
+                )
+            for opt, sd in zip(self.optimizers, optimizer_states, strict=True):
+                set_optimizer_state_dict(self.model, opt, sd)
+        return state
+
+    def teardown(self) -> None:
+        try:
+            if self._shardsafe_saver is not None:
+                self._shardsafe_saver.close()
+                self._shardsafe_saver = None
+        finally:
+            super().teardown()
+
+
+def _copied(tree: Any) -> Any:
+    """``tree`` with every tensor (DTensors included) replaced by a detached copy."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _copied(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copied(v) for v in tree]
+    return tree
+
+
+def _ours(path: str, what: str) -> bool:
+    """False when nothing is at ``path``; True for a checkpoint this plugin wrote; else raise,
+    naming what is there (a save never replaces it, a removal never deletes it)."""
+    if not os.path.lexists(path):
+        return False
+    try:
+        content = load_content_metadata(path)
+    except CheckpointError as e:
+        raise CheckpointExistsError(
+            f"{path}: not a checkpoint written by shardsafe.lightning.CheckpointIO ({e}); "
+            f"refusing to {what} it: move it away or choose another dirpath"
+        ) from None
+    if not content or content.get("writer") != WRITER:
+        raise CheckpointExistsError(
+            f"{path}: a shardsafe checkpoint not written by shardsafe.lightning.CheckpointIO "
+            f"(content_metadata {content!r}); refusing to {what} it"
+        )
+    return True
+
+
+def _to_device(tree: Any, where: Any, path: str) -> Any:
+    if callable(where) or isinstance(where, dict):
+        raise TypeError(
+            f"{path}: shardsafe.lightning loads onto a device given by name or torch.device, "
+            f"not {type(where).__name__}"
+        )
+    device = torch.device(where)
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, OrderedDict):
+        out = OrderedDict((k, _to_device(v, device, path)) for k, v in tree.items())
+        if hasattr(tree, "_metadata"):
+            out._metadata = tree._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(tree, dict):
+        return {k: _to_device(v, device, path) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to_device(v, device, path) for v in tree]
+    return tree

@@ -1,0 +1,262 @@
+"""PyTorch Lightning saving and resuming through ``shardsafe.lightning.CheckpointIO``.
+
+Lightning itself runs: its ``Trainer.fit`` loop, its ``ModelCheckpoint`` (saving, and deleting
+with ``save_top_k``) and its ``ckpt_path`` resume; two ranks through Lightning's ``ddp`` strategy
+(its subprocess launcher, gloo on CPU) in fresh processes per generation, under a hard timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pl = pytest.importorskip("pytorch_lightning")
+
+import lightning_job  # noqa: E402
+from lightning_job import Tiny, data  # noqa: E402
+
+import shardsafe  # noqa: E402
+import shardsafe.lightning  # noqa: E402
+from shardsafe.cli import main as cli_main  # noqa: E402
+
+JOB = Path(lightning_job.__file__)
+SRC = Path(shardsafe.__file__).resolve().parent.parent
+
+
+def assert_same(a: Any, b: Any, where: str = "state") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def run_job(root: Path, out: Path, *args: str, timeout: float = 400) -> int:
+    """One generation in fresh processes (Lightning relaunches the script for rank 1)."""
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{JOB.parent}", "OMP_NUM_THREADS": "1"}
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.Popen(
+        [sys.executable, str(JOB), "--root", str(root), "--out", str(out), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the launcher's rank 1 too
+        proc.communicate()
+        pytest.fail(f"Lightning run {args} did not finish in {timeout} s")
+    if proc.returncode not in (0, 3):
+        pytest.fail(f"Lightning run {args} failed:\n{log.decode(errors='replace')[-4000:]}")
+    return proc.returncode
+
+
+def checkpoints(root: Path) -> list[str]:
+    return sorted(os.listdir(root / "ckpts"))
+
+
+def flip_a_byte(ckpt: Path) -> None:
+    data_file = next(p for p in sorted((ckpt / "data").iterdir()) if p.stat().st_size > 0)
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_ddp_two_ranks_resume_in_a_fresh_process_is_exact(tmp_path: Path) -> None:
+    ref, gen = tmp_path / "ref", tmp_path / "gen"
+    assert run_job(ref, ref / "out.pt", "--devices", "2", "--epochs", "3") == 0
+
+    # generation 1: two epochs; save_top_k=1 deletes epoch 0's checkpoint through the plugin
+    assert run_job(gen, gen / "g1.pt", "--devices", "2", "--epochs", "2", "--checkpoints") == 0
+    assert checkpoints(gen) == ["epoch=1-step=8.ckpt"]
+    first = gen / "ckpts" / "epoch=1-step=8.ckpt"
+    assert (first / "manifest.json").is_file()
+    assert cli_main(["verify", str(first)]) == 0
+    saved = shardsafe.load_common_state_dict(first)
+    assert saved["epoch"] == 1 and saved["global_step"] == 8 and "loops" in saved
+
+    # generation 2, fresh processes: Lightning resumes from it and trains the third epoch
+    args = ["--devices", "2", "--epochs", "3", "--checkpoints", "--resume", str(first)]
+    assert run_job(gen, gen / "g2.pt", *args) == 0
+    want = torch.load(ref / "out.pt", weights_only=True)
+    got = torch.load(gen / "g2.pt", weights_only=True)
+    assert got["global_step"] == want["global_step"] == 12
+    assert_same(got["model"], want["model"], "model")
+    assert_same(got["optimizer"], want["optimizer"], "optimizer")
+    assert_same(got["scheduler"], want["scheduler"], "scheduler")
+    # Lightning keeps the checkpoint a run resumed from (save_top_k deletes only older others)
+    assert checkpoints(gen) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+
+    # a flipped byte: Lightning's resume raises the CheckpointError on the ranks, nothing loads
+    last = gen / "ckpts" / "epoch=2-step=12.ckpt"
+    assert cli_main(["verify", str(last)]) == 0
+    flip_a_byte(last)
+    assert cli_main(["verify", str(last)]) != 0
+    args = ["--devices", "2", "--epochs", "4", "--resume", str(last)]
+    assert run_job(gen, gen / "g3.pt", *args) == 3
+    failure = json.loads((gen / "g3.pt.json").read_text())
+    assert failure["checkpoint_error"], failure
+    assert failure["error"] == "CorruptCheckpointError", failure
+    assert not (gen / "g3.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_model_parallel_fsdp2_two_ranks_saves_its_shards_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    ref, gen = tmp_path / "ref", tmp_path / "gen"
+    mp = ("--devices", "2", "--model-parallel")
+    assert run_job(ref, ref / "out.pt", *mp, "--epochs", "2") == 0
+    assert run_job(gen, gen / "g1.pt", *mp, "--epochs", "1", "--checkpoints") == 0
+    first = gen / "ckpts" / "epoch=0-step=4.ckpt"
+    assert cli_main(["verify", str(first)]) == 0
+    reader = shardsafe.CheckpointReader(first)
+    # each rank wrote its own half of the FSDP2 shards: two pieces per sharded tensor
+    assert len(reader.manifest.tensors["state_dict.net.0.weight"].pieces) == 2
+    assert len(reader.manifest.tensors["optimizer_states.0.state.net.0.weight.exp_avg"].pieces) == 2
+    assert not (first / "meta.pt").exists()  # no pickled side file
+    args = (*mp, "--epochs", "2", "--resume", str(first))
+    assert run_job(gen, gen / "g2.pt", *args) == 0
+    want = torch.load(ref / "out.pt", weights_only=True)
+    got = torch.load(gen / "g2.pt", weights_only=True)
+    assert got["global_step"] == want["global_step"] == 8
+    assert_same(got["model"], want["model"], "model")
+    assert_same(got["optimizer"], want["optimizer"], "optimizer")
+    assert_same(got["scheduler"], want["scheduler"], "scheduler")
+
+    flip_a_byte(first)
+    assert run_job(gen, gen / "g3.pt", *args) == 3
+    failure = json.loads((gen / "g3.pt.json").read_text())
+    assert failure["error"] == "CorruptCheckpointError", failure
+
+
+# -- in this process, one device ---------------------------------------------------------------
+
+
+def fit(root: Path, epochs: int, resume: str | None = None, **plugin: Any) -> dict[str, Any]:
+    torch.manual_seed(1)
+    model = Tiny()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        plugins=[shardsafe.lightning.CheckpointIO(**plugin)],
+        callbacks=[
+            pl.callbacks.ModelCheckpoint(
+                dirpath=root / "ckpts", every_n_epochs=1, save_top_k=1, save_last=True
+            )
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    trainer.fit(model, data(), ckpt_path=resume)
+    return {
+        "model": model.state_dict(),
+        "optimizer": trainer.optimizers[0].state_dict(),
+        "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+        "step": trainer.global_step,
+    }
+
+
+@pytest.mark.timeout(600)
+def test_async_save_resume_is_exact_and_last_is_replaced(tmp_path: Path) -> None:
+    want = fit(tmp_path / "ref", 3)
+    fit(tmp_path / "run", 2, async_save=True)
+    # save_last re-saves last.ckpt in place (an overwrite of our own checkpoint); top-1 keeps one
+    assert checkpoints(tmp_path / "run") == ["epoch=1-step=16.ckpt", "last.ckpt"]
+    last = tmp_path / "run" / "ckpts" / "last.ckpt"
+    assert cli_main(["verify", str(last)]) == 0
+    got = fit(tmp_path / "run", 3, resume=str(last))
+    assert got["step"] == want["step"] == 24
+    assert_same(got, want)
+
+
+def test_remove_and_overwrite_refuse_what_the_plugin_did_not_write(tmp_path: Path) -> None:
+    io = shardsafe.lightning.CheckpointIO()
+    stranger = tmp_path / "epoch=0-step=1.ckpt"
+    torch.save({"state_dict": {}}, stranger)
+    with pytest.raises(shardsafe.CheckpointExistsError, match="refusing to delete"):
+        io.remove_checkpoint(stranger)
+    with pytest.raises(shardsafe.CheckpointExistsError, match="refusing to overwrite"):
+        io.save_checkpoint({"epoch": 0}, stranger)
+    assert stranger.is_file()
+
+    other = tmp_path / "other.ckpt"  # a shardsafe checkpoint, written by someone else
+    shardsafe.save({"w": torch.ones(2)}, other)
+    with pytest.raises(shardsafe.CheckpointExistsError, match="not written by"):
+        io.remove_checkpoint(other)
+    assert (other / "manifest.json").is_file()
+
+    a_dir = tmp_path / "notes.ckpt"
+    a_dir.mkdir()
+    (a_dir / "keep.txt").write_text("x")
+    with pytest.raises(shardsafe.CheckpointExistsError):
+        io.remove_checkpoint(a_dir)
+    assert (a_dir / "keep.txt").is_file()
+
+    ours = tmp_path / "ours.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.arange(3.0)}, "epoch": 2}, ours)
+    back = io.load_checkpoint(ours)
+    assert back["epoch"] == 2 and torch.equal(back["state_dict"]["w"], torch.arange(3.0))
+    io.remove_checkpoint(ours)
+    assert not ours.exists()
+    io.remove_checkpoint(ours)  # gone already: nothing to delete, as Lightning's own does
+    io.teardown()
+
+
+class Opaque:
+    """A value the safe codec cannot store (a class nothing allow-lists)."""
+
+
+class KeepsAnObject(pl.Callback):
+    def state_dict(self) -> dict[str, Any]:
+        return {"thing": Opaque()}
+
+
+def test_state_the_codec_cannot_store_fails_the_save_by_name(tmp_path: Path) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        plugins=[shardsafe.lightning.CheckpointIO()],
+        callbacks=[
+            KeepsAnObject(),
+            pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_epochs=1),
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(shardsafe.CheckpointError, match="Opaque"):
+        trainer.fit(Tiny(), data())
+    assert not any((tmp_path / "ckpts").glob("*/manifest.json"))
+
+
+def test_a_file_checkpoint_is_refused_on_load(tmp_path: Path) -> None:
+    stranger = tmp_path / "torch.ckpt"
+    torch.save({"state_dict": {}}, stranger)
+    with pytest.raises(shardsafe.CheckpointNotFoundError, match="not a shardsafe checkpoint"):
+        shardsafe.lightning.CheckpointIO().load_checkpoint(stranger)
