@@ -82,7 +82,10 @@ def _setup(rank: int, world: int, seed: int) -> dict[str, Any]:
     }
 
 
-def _manager(parts: dict[str, Any], root: str, async_mode: str, **config: Any) -> Any:
+def _manager(
+    parts: dict[str, Any], root: str, async_mode: str, sd_adapter: Any = None, **config: Any
+) -> Any:
+    """Built from its config, as torchtitan's trainer builds ``config.checkpoint``."""
     from shardsafe.torchtitan_checkpoint import ShardsafeCheckpointManager
 
     cfg = ShardsafeCheckpointManager.Config(
@@ -94,7 +97,7 @@ def _manager(parts: dict[str, Any], root: str, async_mode: str, **config: Any) -
         optimizers=parts["optimizers"],
         lr_schedulers=parts["schedulers"],
         states={"train_state": parts["train_state"]},
-        sd_adapter=config.pop("sd_adapter", None),
+        sd_adapter=sd_adapter,
         base_folder=root,
     )
 
@@ -245,3 +248,72 @@ def test_leftovers_of_an_unfinished_save_are_not_steps(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / ".step-4.tmp-dead" / "manifest.json").write_text("{}")
     got = [_unbytes(r) for r in run_ranks(_resume, WORLD, str(tmp_path), 0, timeout=240)]
     assert [g["train_state"]["step"] for g in got] == [2, 2]
+
+
+def _hf_names(key: str) -> str:
+    return f"model.layers.{key}"
+
+
+def _export(rank: int, world: int, root: str, in_hf: bool) -> bytes:
+    from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
+
+    class Adapter(BaseStateDictAdapter):
+        """Native names to HF names, one safetensors file (no index mapping)."""
+
+        def __init__(self) -> None:
+            self.hf_assets_path = None
+            self.fqn_to_index_mapping = None
+
+        def to_hf(self, sd: dict[str, Any]) -> dict[str, Any]:
+            return {_hf_names(k): v for k, v in sd.items()}
+
+        def from_hf(self, sd: dict[str, Any]) -> dict[str, Any]:
+            return {k.removeprefix("model.layers."): v for k, v in sd.items()}
+
+        def get_hf_storage_reader(self, path: str, from_quantized: bool = False) -> Any:
+            raise NotImplementedError
+
+    parts = _setup(rank, world, seed=0)
+    manager = _manager(
+        parts,
+        root,
+        "disabled",
+        last_save_in_hf=in_hf,
+        export_dtype="bfloat16",
+        sd_adapter=Adapter(),
+    )
+    try:
+        _train(parts, 2, manager)
+        parts["train_state"].step = 3
+        _train(parts, 1)
+        assert manager.save(4, last_step=True) is True
+        return _bytes(_digest(parts)["model"])
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("in_hf", [True, False])
+def test_the_last_save_exports_the_model(tmp_path: Path, in_hf: bool) -> None:
+    import shardsafe
+    from shardsafe.cli import main
+
+    model = _unbytes(run_ranks(_export, WORLD, str(tmp_path), in_hf, timeout=240)[0])
+    last = tmp_path / "ckpt" / "step-4"
+    if in_hf:  # torchtitan's HF export: safetensors, names by the adapter, export dtype
+        from safetensors.torch import load_file
+
+        got = load_file(str(last / "model-00001-of-00001.safetensors"))
+        assert not (last / "manifest.json").exists()
+    else:  # model only, export dtype, a shardsafe checkpoint
+        assert main(["verify", str(last)]) == 0
+        reader = shardsafe.CheckpointReader(str(last))
+        got = {_hf_names(k): reader.read_tensor(k) for k in reader.manifest.tensors}
+    assert set(got) == {_hf_names(k) for k in model}
+    for k, v in model.items():
+        assert got[_hf_names(k)].dtype == torch.bfloat16
+        assert torch.equal(got[_hf_names(k)], v.to(torch.bfloat16)), k
+    # a resume finds the newest committed shardsafe step: not an HF export
+    from shardsafe.torchtitan_checkpoint import _committed_steps
+
+    steps = [step for step, _ in _committed_steps(str(tmp_path / "ckpt"))]
+    assert steps == ([2] if in_hf else [2, 4])
