@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 
-.PHONY: demo test lint bench clean venv
+.PHONY: demo test test-frameworks lint bench clean venv
 
 venv: $(STAMP)
 
@@ -25,6 +25,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# framework integrations (torchtitan), apart from `make test`: only what their tests import,
+# without torchtitan's own dependency pins (they would move fsspec and huggingface_hub)
+test-frameworks: $(STAMP)
+	$(BIN)/pip install -q --no-deps 'torchtitan==0.3.0' 'torchdata==0.11.0' 'spmd_types==0.2.3'
+	$(BIN)/pip install -q 'tyro>=0.9'
+	$(BIN)/python -m pytest -q tests/test_torchtitan.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
