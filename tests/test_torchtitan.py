@@ -83,12 +83,20 @@ def _setup(rank: int, world: int, seed: int) -> dict[str, Any]:
 
 
 def _manager(
-    parts: dict[str, Any], root: str, async_mode: str, sd_adapter: Any = None, **config: Any
+    parts: dict[str, Any],
+    root: str,
+    async_mode: str,
+    sd_adapter: Any = None,
+    stock: bool = False,
+    **config: Any,
 ) -> Any:
-    """Built from its config, as torchtitan's trainer builds ``config.checkpoint``."""
+    """Built from its config, as torchtitan's trainer builds ``config.checkpoint`` (``stock``:
+    torchtitan's own manager, DCP's FileSystemWriter)."""
+    from torchtitan.components.checkpoint import CheckpointManager
+
     from shardsafe.torchtitan_checkpoint import ShardsafeCheckpointManager
 
-    cfg = ShardsafeCheckpointManager.Config(
+    cfg = (CheckpointManager if stock else ShardsafeCheckpointManager).Config(
         enable=True, folder="ckpt", interval=2, keep_latest_k=2, async_mode=async_mode, **config
     )
     return cfg.build(
@@ -158,9 +166,11 @@ def _uninterrupted(rank: int, world: int, steps: int) -> bytes:
     return _bytes(_digest(parts))
 
 
-def _first_generation(rank: int, world: int, root: str, async_mode: str, steps: int) -> None:
+def _first_generation(
+    rank: int, world: int, root: str, async_mode: str, steps: int, stock: bool = False
+) -> None:
     parts = _setup(rank, world, seed=0)
-    manager = _manager(parts, root, async_mode)
+    manager = _manager(parts, root, async_mode, stock=stock)
     try:
         assert manager.load() is False  # a fresh start
         _train(parts, steps, manager)
@@ -210,6 +220,16 @@ def test_torchtitan_save_and_resume_is_exact(tmp_path: Path, async_mode: str) ->
     for rank in range(WORLD):
         _assert_same(got[rank], expected[rank], f"rank {rank}")
     assert sorted(os.listdir(ckpt)) == ["step-6", "step-8"]
+
+
+def test_resume_from_a_folder_torchtitans_own_manager_wrote(tmp_path: Path) -> None:
+    expected = [_unbytes(r) for r in run_ranks(_uninterrupted, WORLD, 8, timeout=240)]
+    run_ranks(_first_generation, WORLD, str(tmp_path), "disabled", 6, True, timeout=240)
+    assert (tmp_path / "ckpt" / "step-6" / ".metadata").is_file()  # DCP's own format
+    got = [_unbytes(r) for r in run_ranks(_resume, WORLD, str(tmp_path), 2, timeout=240)]
+    for rank in range(WORLD):
+        _assert_same(got[rank], expected[rank], f"rank {rank}")
+    assert (tmp_path / "ckpt" / "step-8" / "manifest.json").is_file()  # ours from then on
 
 
 def _flip_a_byte(ckpt: Path) -> None:
