@@ -337,3 +337,32 @@ def test_the_last_save_exports_the_model(tmp_path: Path, in_hf: bool) -> None:
 
     steps = [step for step, _ in _committed_steps(str(tmp_path / "ckpt"))]
     assert steps == ([2] if in_hf else [2, 4])
+
+
+def _save_over(rank: int, world: int, root: str, async_mode: str) -> str:
+    import shardsafe
+
+    parts = _setup(rank, world, seed=0)
+    manager = _manager(parts, root, async_mode)
+    try:
+        with pytest.raises(shardsafe.CheckpointError) as info:
+            _train(parts, 2, manager)  # a sync save raises here
+            manager.maybe_wait_for_saving()  # an async one here
+        return type(info.value).__name__
+    finally:
+        manager.save_future = None
+        manager.close()
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_failed_save_raises_our_error(tmp_path: Path, async_mode: str) -> None:
+    """Saving a step that is already committed (a run restarted without resuming): DCP's
+    ``CheckpointException`` gives way to the CheckpointError, in the save or its wait."""
+    from shardsafe.cli import main
+
+    run_ranks(_first_generation, WORLD, str(tmp_path), "disabled", 2, timeout=240)
+    got = run_ranks(_save_over, WORLD, str(tmp_path), async_mode, timeout=240)
+    assert got == ["CheckpointExistsError"] * WORLD
+    assert (
+        main(["verify", str(tmp_path / "ckpt" / "step-2")]) == 0
+    )  # the committed step is untouched
