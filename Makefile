@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 
-.PHONY: demo test test-megatron019 lint bench clean venv venv312
+.PHONY: demo test test-megatron019 test-frameworks lint bench clean venv venv312
 
 # megatron-core 0.17+ needs Python >= 3.12, the main venv's dev extra pins 0.16.1: the tests
 # against megatron-core 0.19 run in a second venv made from the first working Python 3.12 found
@@ -66,6 +66,13 @@ else
 	$(MAKE) $(STAMP312)
 	$(VENV312)/bin/python -m pytest -q $(MEGATRON019_TESTS)
 endif
+
+# framework integrations (torchtitan), apart from `make test`: only what their tests import,
+# without torchtitan's own dependency pins (they would move fsspec and huggingface_hub)
+test-frameworks: $(STAMP)
+	$(BIN)/pip install -q --no-deps 'torchtitan==0.3.0' 'torchdata==0.11.0' 'spmd_types==0.2.3'
+	$(BIN)/pip install -q 'tyro>=0.9'
+	$(BIN)/python -m pytest -q tests/test_torchtitan.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
