@@ -338,3 +338,19 @@ def _one_rank_unsafe(rank: int, world: int, root: str) -> str:
 def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path: Path) -> None:
     assert run_ranks(_one_rank_unsafe, 2, str(tmp_path), timeout=100) == ["UnsafeObjectError"] * 2
     assert not (tmp_path / "c").exists()
+
+
+def _per_rank_items(rank: int, world: int, root: str) -> dict[str, Any]:
+    # a key only its own rank holds (torchtitan's `dataloader.dp_rank_N`)
+    sd: dict[str, Any] = {"w": torch.ones(4), "loader": {f"dp_rank_{rank}": {"pos": 10 + rank}}}
+    try:
+        dcp.save(sd, storage_writer=Writer(f"{root}/c"))
+    except CheckpointException as e:
+        raise _cause(e) from None
+    return shardsafe.CheckpointReader(f"{root}/c").common()
+
+
+@pytest.mark.timeout(120)
+def test_items_only_some_ranks_hold_are_nested_where_their_rank_has_them(tmp_path: Path) -> None:
+    for common in run_ranks(_per_rank_items, 2, str(tmp_path), timeout=100):
+        assert common["loader"] == {"dp_rank_0": {"pos": 10}, "dp_rank_1": {"pos": 11}}

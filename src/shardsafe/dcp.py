@@ -161,13 +161,18 @@ class Writer(StorageWriter):
             comm = get_comm(self.process_group)
             # every rank's failure to resolve its items is raised on every rank, before saving
             comm.arrive("dcp non-tensor items", self.saver.timeout)
-            records = comm.all_gather({"error": err, "items": mine})
+            # each item is nested where the rank that planned it has it (the planner's mappings
+            # are local: a key only some ranks hold is known to those ranks alone)
+            mappings = getattr(planner, "mappings", None) or {}
+            paths = {fqn: list(mappings.get(fqn, (fqn,))) for fqn, _ in mine}
+            records = comm.all_gather({"error": err, "items": mine, "paths": paths})
             raise_for([r["error"] for r in records], "dcp.save (resolving the planned items)")
-            paths = getattr(planner, "mappings", None) or {}
             state: dict[str, Any] = {}
-            for fqn, raw in sorted(pair for r in records for pair in r["items"]):
-                value = _decode(fqn, base64.b64decode(raw))
-                state = set_at(state, tuple(paths.get(fqn, (fqn,))), value)
+            placed = sorted(
+                (fqn, raw, tuple(r["paths"][fqn])) for r in records for fqn, raw in r["items"]
+            )
+            for fqn, raw, path in placed:
+                state = set_at(state, path, _decode(fqn, base64.b64decode(raw)))
             for n, st in enumerate(pieces):  # a sharded entry leaves no trace in the common state
                 key = f"\0dcp{n}"
                 if key in state:

@@ -38,7 +38,6 @@ from typing import Any, cast
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torchtitan.components.checkpointer.base import MODEL, purge_thread
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
@@ -115,7 +114,6 @@ class ShardsafeCheckpointManager(CheckpointManager):
                     state_dict,
                     storage_writer=writer,
                     checkpoint_id=checkpoint_id,
-                    planner=_AllRanksMappings(pg),
                 )
             else:
                 fut: Any = dcp.async_save(
@@ -123,7 +121,6 @@ class ShardsafeCheckpointManager(CheckpointManager):
                     storage_writer=writer,
                     checkpoint_id=checkpoint_id,
                     process_group=pg,
-                    planner=_AllRanksMappings(pg),
                 )
                 ret = fut
                 step = _STEP.fullmatch(os.path.basename(checkpoint_id.rstrip("/")))
@@ -188,33 +185,6 @@ class ShardsafeCheckpointManager(CheckpointManager):
             for step in steps[: -self.keep_latest_k]:
                 if step != self._in_flight:
                     self.purge_queue.put(step[1])
-
-
-class _AllRanksMappings(DefaultSavePlanner):
-    """DCP's planner, with every rank's flattening mappings on every rank.
-
-    ``shardsafe.dcp.Writer`` nests the gathered non-tensor items by ``planner.mappings``, which
-    DCP's planner fills from the local state dict only; torchtitan's dataloader state has a key
-    per rank (``dataloader.dp_rank_N``), which the other ranks would then store flat, and the
-    common state would differ between ranks. The union of the ranks' mappings nests each item
-    where its own rank has it."""
-
-    def __init__(self, process_group: Any) -> None:
-        super().__init__()
-        self._pg = process_group
-
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
-        super().set_up_planner(*args, **kwargs)
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        every: list[Any] = [None] * dist.get_world_size(self._pg)
-        dist.all_gather_object(every, dict(self.mappings), group=self._pg)
-        merged: dict[Any, Any] = {}
-        for mappings in every:
-            merged.update(mappings)
-        self.mappings = merged
 
 
 class _WriterStages:
