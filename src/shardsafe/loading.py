@@ -679,10 +679,26 @@ def _merge(
             _merge(v, base[i] if i < len(base) else _ABSENT, values, plain, (*path, i))
             for i, v in enumerate(template)
         ]
-        # Stored items past the template's end are common state too: kept, as a dict's
-        # stored keys the template lacks are (never dropped without a word).
-        return [v for v in out_list if v is not _ABSENT] + base[len(template) :]
+        kept = [v for v in out_list if v is not _ABSENT]
+        if any(_holds_pieces(v) for v in template):
+            return kept  # the layout gives this list its length (per-rank pieces)
+        # a list of plain values is common state: stored items past the template's end are
+        # kept, as a dict's stored keys the template lacks are (never dropped without a word)
+        return kept + base[len(template) :]
     return template if common is _ABSENT else common
+
+
+def _holds_pieces(node: Any) -> bool:
+    """Whether ``node`` is or holds a sharded entry or a plain tensor of the template."""
+    if isinstance(node, (ShardedTensor, ShardedObject, LocalNonPersistentObject)):
+        return True
+    if is_plain_tensor(node):
+        return True
+    if isinstance(node, dict):
+        return any(_holds_pieces(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_holds_pieces(v) for v in node)
+    return False
 
 
 def _lookup(tree: Any, path: Path) -> Any:
