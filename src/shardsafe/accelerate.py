@@ -30,7 +30,7 @@ from .errors import IncompatibleRequestError, ValidationError
 from .integrations.rng import RngPolicy, apply_rng_state, rng_load_template, rng_sharded_state_dict
 from .loading import load, load_content_metadata
 from .saver import AsyncSaveHandle, Saver, SaveStats
-from .sharding import ShardedObject
+from .sharding import ShardedObject, detached_copy
 
 __all__ = ["WRITER", "load_state", "save_state"]
 
@@ -96,7 +96,7 @@ def load_state(
         )
     # copies: load fills a template in place, and the live state must stay as it is until
     # every block was read and verified
-    template = _copied(_state(accelerator))
+    template = detached_copy(_state(accelerator))
     template.update(rng_load_template(path, "rng", rng))
     loaded = load(template, path)
     # everything was read and verified; only now are the live objects changed
@@ -140,17 +140,6 @@ def _state(accelerator: Any) -> dict[str, Any]:
     if accelerator.scaler is not None:
         state["scaler"] = accelerator.scaler.state_dict()
     return state
-
-
-def _copied(tree: Any) -> Any:
-    """``tree`` with every tensor (DTensors included) replaced by a detached copy."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _copied(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_copied(v) for v in tree]
-    return tree
 
 
 def _counts(accelerator: Any) -> dict[str, int]:

@@ -45,6 +45,7 @@ from .lease import lease_state
 from .loading import load, load_content_metadata
 from .location import locate
 from .saver import AsyncSaveHandle, Saver
+from .sharding import detached_copy
 
 __all__ = ["WRITER", "CheckpointIO", "ModelParallelStrategy"]
 
@@ -221,10 +222,10 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         # copies: the live module and optimizers change only after every block was verified
-        template: dict[str, Any] = {"state_dict": _copied(get_model_state_dict(self.model))}
+        template: dict[str, Any] = {"state_dict": detached_copy(get_model_state_dict(self.model))}
         if fitting and self.optimizers:
             template["optimizer_states"] = [
-                _copied(get_optimizer_state_dict(self.model, opt)) for opt in self.optimizers
+                detached_copy(get_optimizer_state_dict(self.model, opt)) for opt in self.optimizers
             ]
         state = load(template, path)
         if not isinstance(state, dict):
@@ -252,17 +253,6 @@ class ModelParallelStrategy(_ModelParallelStrategy):
                 self._shardsafe_saver = None
         finally:
             super().teardown()
-
-
-def _copied(tree: Any) -> Any:
-    """``tree`` with every tensor (DTensors included) replaced by a detached copy."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _copied(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_copied(v) for v in tree]
-    return tree
 
 
 def _ours(path: str, what: str) -> bool:

@@ -575,6 +575,18 @@ def split_state_dict(tree: Any, plain_tensors: bool = True) -> SplitStateDict:
     return out
 
 
+def detached_copy(tree: Any) -> Any:
+    """``tree`` with every tensor (DTensors included) replaced by a detached copy: what a load
+    fills before anything live changes, so that damage found midway leaves the live state alone."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: detached_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [detached_copy(v) for v in tree]
+    return tree
+
+
 def set_at(tree: Any, path: Path, value: Any) -> Any:
     """Put ``value`` at ``path`` inside ``tree`` (creating dicts, extending lists); returns the tree."""
     if not path:
