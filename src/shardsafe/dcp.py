@@ -160,7 +160,7 @@ class Writer(StorageWriter):
             pieces, mine, results = local if local is not None else ([], [], [])
             comm = get_comm(self.process_group)
             # every rank's failure to resolve its items is raised on every rank, before saving
-            comm.arrive("dcp non-tensor items", self.saver.timeout)
+            comm.arrive("dcp non-tensor items", self.saver.timeout, self.saver.dead_after)
             # each item is nested where the rank that planned it has it (the planner's mappings
             # are local: a key only some ranks hold is known to those ranks alone)
             mappings = getattr(planner, "mappings", None) or {}

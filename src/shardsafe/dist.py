@@ -4,6 +4,14 @@ Every step that spans ranks runs through :func:`agree`: each rank contributes ei
 result or its exception, everyone learns everyone's outcome, and if any rank failed every
 rank raises the same :class:`CheckpointError` naming the failing ranks. No rank is left
 waiting in a collective that a failed peer will never reach.
+
+Before a collective, :meth:`Comm.arrive` waits in the store for every rank: the last to
+arrive sets the wait's ``all`` key, and while the wait lasts the process's heartbeat thread
+(:mod:`shardsafe.liveness`) sets it instead to the verdict on an awaited rank that stopped
+heartbeating for ``dead_after`` s (``compare_set``: the first of the two wins for every rank).
+So a rank that died or froze since the last operation is named with its host on every
+waiting rank within ``dead_after`` + 2 s, and one that is alive but slow is waited for up to
+``timeout``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch.distributed as tdist
 
 from . import errors as _errors
 from .errors import CheckpointError, DistributedError, describe_ranks
+from .liveness import DEAD_AFTER, HEARTBEATS, Heartbeat, Watch, dead_after_of, start_within_of
 
 T = TypeVar("T")
 
@@ -38,19 +47,22 @@ class Comm:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    def arrive(self, stage: str, timeout: float) -> None:
-        """Wait until every rank reached ``stage``; after ``timeout`` s raise naming the absent ranks.
+    def arrive(self, stage: str, timeout: float, dead_after: float = DEAD_AFTER) -> None:
+        """Wait until every rank reached ``stage``; raise naming a rank that died meanwhile.
 
-        Runs through the process group's store before a collective, so that a dead or stuck
-        rank becomes a :class:`DistributedError` naming it instead of a hang until the
-        process group's own timeout. Every rank must call the same stages in the same order.
+        Runs through the process group's store before a collective, so that a dead or frozen
+        rank becomes a :class:`DistributedError` naming it and its host within ``dead_after``
+        (+ 2 s; see :mod:`shardsafe.liveness`) instead of a hang until the process group's
+        own timeout; a rank that is alive but slow is waited for up to ``timeout`` s, then
+        named as absent. Every rank must call the same stages in the same order.
         """
         if not self.distributed:
             return
         store = _store()
         try:
+            beat = HEARTBEATS.ensure(store, tdist.get_rank())
             base = f"shardsafe/arrive/{_group_tag(self)}/{self._next_sequence(store)}"
-            self._wait_for_all(store, base, stage, timeout)
+            self._wait_for_all(store, beat, base, stage, timeout, dead_after)
         except DistributedError:
             raise
         except Exception as e:  # the store itself is gone: its host process died
@@ -66,28 +78,54 @@ class Comm:
         and gone with the process group (this process keeps no count)."""
         return int(store.add(f"shardsafe/arrivals/{_group_tag(self)}/r{self.rank}", 1))
 
-    def _wait_for_all(self, store: Any, base: str, stage: str, timeout: float) -> None:
-        """The last rank to arrive sets ``all``; everyone blocks in the store's ``wait`` for it."""
+    def _wait_for_all(
+        self, store: Any, beat: Heartbeat, base: str, stage: str, timeout: float, dead_after: float
+    ) -> None:
+        """The last rank to arrive sets ``all`` to "1", or this process's heartbeat thread sets
+        it to the verdict on a rank that stopped beating; everyone blocks in the store's
+        ``wait`` for it and reads which of the two it holds."""
         store.set(f"{base}/r{self.rank}", stage)
+        done = f"{base}/all"
         if int(store.add(f"{base}/count", 1)) == self.world_size:
-            store.set(f"{base}/all", "1")
+            store.compare_set(done, "", "1")
+        others = [r for r in range(self.world_size) if r != self.rank]
+        handle = beat.watch(
+            Watch(
+                done,
+                lambda r: f"{base}/r{r}",
+                others if self.is_coordinator else [0],
+                self.global_rank,
+                self.is_coordinator,
+                stage,
+                dead_after_of(dead_after),
+                start_within_of(dead_after, timeout),
+            )
+        )
         try:
-            store.wait([f"{base}/all"], timedelta(seconds=timeout))
+            store.wait([done], timedelta(seconds=timeout))
         except Exception as e:
-            if not store.check([f"{base}/all"]):
+            if not store.check([done]):
                 absent = [r for r in range(self.world_size) if not store.check([f"{base}/r{r}"])]
                 if absent or "timeout" in f"{type(e).__name__} {e}".lower():
                     raise DistributedError(
                         f"rank {self.rank}: {describe_ranks(absent)} did not reach '{stage}' within {timeout:.0f} s "
-                        "(dead, stuck, or calling a different checkpoint operation)",
+                        "(alive but stuck, or calling a different checkpoint operation)",
                         {r: "absent" for r in absent},
                     ) from None
                 raise
+        finally:
+            beat.unwatch(handle)
+        ended = bytes(store.get(done)).decode()
+        if ended != "1":
+            verdict = json.loads(ended)
+            raise DistributedError(
+                f"rank {self.rank}: {verdict['message']}", {int(verdict["rank"]): "dead"}
+            )
         if int(store.add(f"{base}/done", 1)) == self.world_size:
             for key in [f"{base}/r{r}" for r in range(self.world_size)] + [
                 f"{base}/count",
                 f"{base}/done",
-                f"{base}/all",
+                done,
             ]:
                 with contextlib.suppress(Exception):
                     store.delete_key(key)
@@ -179,6 +217,9 @@ def get_comm(process_group: Any = None) -> Comm:
                 "a process_group was given but torch.distributed is not initialised"
             )
         return Comm()
+    # beating from the first operation on, so that a rank lost before its next one is named
+    with contextlib.suppress(Exception):  # a store lost now is reported by the next wait
+        HEARTBEATS.ensure(_store(), tdist.get_rank())
     return Comm(
         process_group, tdist.get_rank(process_group), tdist.get_world_size(process_group), True
     )

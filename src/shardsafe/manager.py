@@ -422,6 +422,8 @@ class CheckpointManager:
                 return resavable(state, result), missing, unexpected
             return resavable(state, loaded)
 
+        # a rank lost since the last save is named here, not a hang in the inventory's broadcasts
+        get_comm(self.process_group).arrive("restore", self.timeout, self._saver.dead_after)
         if self._local is not None:
             found, result = self._restore_local(state, step, load_into, fallback)
             if found:

@@ -26,6 +26,7 @@ from .dist import Comm, error_record, outcome, raise_for
 from .dtypes import dtype_name
 from .errors import UnsafeObjectError, ValidationError
 from .lease import LEASE_SECONDS, Lease
+from .liveness import DEAD_AFTER
 from .location import Location
 from .planning import GlobalPlan, LocalPlan, ObjectDesc, PieceDesc, RankAssignment, make_global_plan
 from .save_target import abort, begin
@@ -211,6 +212,7 @@ def plan_save(
     content_metadata: Mapping[str, Any] | None = None,
     timeout: float = 1800.0,
     lease_ttl: float = LEASE_SECONDS,
+    dead_after: float = DEAD_AFTER,
 ) -> PlannedSave:
     """Collective: validate and plan (or reuse the cached plan); raise the same error everywhere."""
 
@@ -235,7 +237,7 @@ def plan_save(
     if comm.is_coordinator and err is None:
         lease, err = outcome(lambda: begin(loc, token, overwrite, lease_ttl))
     try:
-        comm.arrive("save planning", timeout)
+        comm.arrive("save planning", timeout, dead_after)
     except BaseException:
         if lease is not None:
             abort(loc, token, lease)

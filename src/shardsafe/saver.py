@@ -405,6 +405,7 @@ class Saver:
             content_metadata,
             self.timeout,
             self.lease_ttl,
+            self.dead_after,
         )
         return comm, planned, t0, time.perf_counter() - t0
 

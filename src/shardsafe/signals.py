@@ -15,6 +15,10 @@ the heartbeats of those it still waits for:
   save gets ``start_within`` seconds: it may still be on its way from planning);
 * a rank that is slow but heartbeating is waited for, and the wait is logged every
   ``log_every`` seconds.
+
+These beats belong to one save. Outside a save (between saves, before planning, in a load,
+at the start of a restore) a process's own heartbeat (:mod:`shardsafe.liveness`, the same
+``dead_after``) is what :meth:`shardsafe.dist.Comm.arrive` consults.
 """
 
 from __future__ import annotations
@@ -32,13 +36,12 @@ import torch.distributed as tdist
 
 from .dist import Comm
 from .errors import DistributedError, describe_ranks
+from .liveness import DEAD_AFTER as DEAD_AFTER
 
 log = logging.getLogger("shardsafe")
 
 HEARTBEAT_INTERVAL = 0.5
 """Seconds between two heartbeats of a rank, and the longest single blocking wait."""
-DEAD_AFTER = 10.0
-"""Seconds without a heartbeat after which a rank counts as dead."""
 
 
 def default_store() -> Any:
