@@ -18,19 +18,15 @@ directory; nothing is dropped from the page cache.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
-import multiprocessing as mp
 import os
-import queue
 import shutil
-import socket
 import tempfile
 import time
-import traceback
 import warnings
 from typing import Any
+
+from launch import launch as spawn_ranks
 
 MIB = 1 << 20
 
@@ -129,66 +125,9 @@ def run(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- launcher
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _entry(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    import torch.distributed as dist
-
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=600),
-        )
-        out.put((rank, "ok", run(rank, world, cfg)))
-    except BaseException as e:
-        out.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        with contextlib.suppress(Exception):
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
 def launch(world: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     """Run :func:`run` on ``world`` spawned processes; results by rank."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, cfg, out)) for r in range(world)]
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.start()
-        while len(results) + len(errors) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"world {world} did not finish in {timeout:.0f} s")
-            try:
-                rank, status, value = out.get(timeout=1.0)
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and r not in results and r not in errors:
-                        errors[r] = f"process exited with code {p.exitcode}"
-                continue
-            (results if status == "ok" else errors)[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if errors:
-        raise RuntimeError("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))
-    return [results[r] for r in range(world)]
+    return spawn_ranks(run, world, cfg, timeout)
 
 
 def report(world: int, mib: int, samples: dict[str, list[float]]) -> list[str]:

@@ -38,28 +38,23 @@ start and the end: the machine may be shared.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
 import math
 import mmap
-import multiprocessing as mp
 import os
 import platform
-import queue
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from launch import launch as spawn_ranks
 
 import shardsafe
 from shardsafe import CheckpointManager, ShardedTensor
@@ -462,70 +457,12 @@ def task_saves(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- launching
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(rank: int, world: int, port: int, fn_name: str, cfg: dict[str, Any], out: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=600),
-        )
-        out.put((rank, "ok", globals()[fn_name](rank, world, cfg)))
-    except BaseException as e:
-        out.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        with contextlib.suppress(Exception):
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
 def launch(fn_name: str, world: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     """Run ``fn_name(rank, world, cfg)`` on ``world`` fresh forked processes; results by rank."""
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    port = _free_port()
     cfg = {**cfg, "launched": time.perf_counter()}
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn_name, cfg, out)) for r in range(world)
-    ]
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.start()
-        while len(results) + len(errors) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"world {world}: {fn_name} did not finish in {timeout:.0f} s")
-            try:
-                rank, status, value = out.get(timeout=1.0)
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and r not in results and r not in errors:
-                        errors[r] = f"process exited with code {p.exitcode}"
-                continue
-            (results if status == "ok" else errors)[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if errors:
-        raise RuntimeError(
-            "\n".join(f"--- world {world} rank {r} ---\n{e}" for r, e in sorted(errors.items()))
-        )
-    return [results[r] for r in range(world)]
+    return spawn_ranks(
+        globals()[fn_name], world, cfg, timeout, start_method="fork", one_thread=True
+    )
 
 
 # --------------------------------------------------------------------------- page cache

@@ -35,17 +35,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import mmap
-import multiprocessing as mp
 import os
 import platform
-import queue
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -56,6 +52,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from launch import launch as spawn_ranks
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -741,71 +739,9 @@ def probe_mcore(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- process launching
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _entry(rank: int, world: int, port: int, fn_name: str, cfg: dict[str, Any], out: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    import torch.distributed as dist
-
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=900),
-        )
-        result = globals()[fn_name](rank, world, cfg)
-        out.put((rank, "ok", result))
-    except BaseException as e:
-        out.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        with contextlib.suppress(Exception):
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
 def launch(fn_name: str, world: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     """Run ``fn_name(rank, world, cfg)`` on ``world`` spawned processes; results by rank."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn_name, cfg, out)) for r in range(world)
-    ]
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.start()
-        while len(results) + len(errors) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"world {world}: {fn_name} did not finish in {timeout:.0f} s")
-            try:
-                rank, status, value = out.get(timeout=1.0)
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and r not in results and r not in errors:
-                        errors[r] = f"process exited with code {p.exitcode}"
-                continue
-            (results if status == "ok" else errors)[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if errors:
-        raise RuntimeError(
-            "\n".join(f"--- world {world} rank {r} ---\n{e}" for r, e in sorted(errors.items()))
-        )
-    return [results[r] for r in range(world)]
+    return spawn_ranks(globals()[fn_name], world, cfg, timeout, pg_timeout=900)
 
 
 # --------------------------------------------------------------------------- reporting
