@@ -71,7 +71,9 @@ def _lost_before_load(rank: int, world: int, base: str) -> None:
     if rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     target = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, rank, world))}
-    _survive(rank, out, lambda: shardsafe.load(target, out / "step1", timeout=TIMEOUT))
+    _survive(
+        rank, out, lambda: shardsafe.load(target, out / "step1", timeout=TIMEOUT, dead_after=DEAD)
+    )
 
 
 def _slow_between_saves(rank: int, world: int, base: str) -> float:

@@ -34,6 +34,7 @@ from .errors import (
 )
 from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, TensorEntry
 from .geometry import Box, intersect
+from .liveness import DEAD_AFTER
 from .location import TMP_MARK, Location, locate
 from .parallel_load import (
     MIN_SHARED_BYTES,
@@ -236,6 +237,7 @@ def load(
     timeout: float = 1800.0,
     fully_parallel: bool | str = "auto",
     direct_io: str | None = None,
+    dead_after: float = DEAD_AFTER,
 ) -> Any:
     """Load ``path`` into the layout described by ``sharded_state_dict`` (the template).
 
@@ -246,7 +248,8 @@ def load(
     PyTorch DCP does: its ``state_dict()`` is the template of its part, and once every rank
     has loaded, ``load_state_dict(loaded part)`` is called; the object stands in the result. With ``strict=RETURN_*`` returns
     ``(state_dict, missing_keys, unexpected_keys)``. Every rank of ``process_group`` must call it;
-    ``timeout`` bounds how long a rank waits for the others before naming the absent ones.
+    ``timeout`` bounds how long a rank waits for the others before naming the absent ones; a rank
+    that stopped heartbeating (dead, frozen, its host lost) is named after ``dead_after`` s.
     ``fully_parallel``: a piece requested by several ranks is read by one and sent to the others
     (``True``), every rank reads for itself (``False``), or the measured heuristic decides
     (``"auto"``: only over NCCL, see :func:`shardsafe.parallel_load.should_share`).
@@ -268,7 +271,7 @@ def load(
             return foreign(template, path, strict)
 
         loaded, err = outcome(load_foreign)
-        comm.arrive("load", timeout)
+        comm.arrive("load", timeout, dead_after)
         records = comm.all_gather({"error": err, "stateful": bool(statefuls)})
         raise_for([r["error"] for r in records], "load")
         if any(r["stateful"] for r in records):
@@ -291,7 +294,7 @@ def load(
         or (fully_parallel == "auto" and should_share(comm, MIN_SHARED_BYTES, "auto"))
     ):
         # digests, not requests: finding who holds the same piece needs every rank's list
-        comm.arrive("load planning", timeout)
+        comm.arrive("load planning", timeout, dead_after)
         records = comm.all_gather({"error": err, "requests": job.request_digests() if job else []})
         raise_for([r["error"] for r in records], "load planning")
         candidates = assign_readers([[(d, n) for d, n in r["requests"]] for r in records])
@@ -310,7 +313,7 @@ def load(
 
         prepared, err = outcome(read)
     if shared:
-        comm.arrive("load exchange", timeout)
+        comm.arrive("load exchange", timeout, dead_after)
         records = comm.all_gather({"error": err})
         raise_for([r["error"] for r in records], "load")
         assert prepared is not None
@@ -324,7 +327,7 @@ def load(
         "requested": sorted(job.requested) if job and strict.needs_missing else None,
         "stateful": bool(job and job.statefuls),
     }
-    comm.arrive("load", timeout)
+    comm.arrive("load", timeout, dead_after)
     records = comm.all_gather(state)
     raise_for([r["error"] for r in records], "load")
     assert job is not None and result is not None

@@ -416,6 +416,7 @@ class CheckpointManager:
                 strict=strict,
                 timeout=self.timeout,
                 direct_io=self.direct_io,
+                dead_after=self._saver.dead_after,
             )
             if StrictHandling(strict).returns:
                 result, missing, unexpected = loaded
