@@ -13,6 +13,14 @@ checksums, an atomic publish, every rank's error agreed. ``load_state`` reads it
 layout (another world size, FSDP2 <-> DDP), verifying every block; damage raises a
 :class:`~shardsafe.CheckpointError` before any object is changed.
 
+Pass a :class:`~shardsafe.CheckpointManager` in place of the path to keep numbered steps
+(``save_state(accelerator, manager, step=completed_steps)``; its retention applies), and
+``load_state(accelerator, manager)`` resumes from the newest committed one and returns its step
+(where the loop goes on, with ``accelerator.skip_first_batches`` inside an epoch): after a
+crash, a save that was cut off is never taken, and a step found damaged falls back to the
+newest older intact one, as :meth:`~shardsafe.CheckpointManager.restore` does. The step is the
+caller's count: ``accelerator.step`` restarts at 0 with every pass over a prepared dataloader.
+
 Not covered (raises): DeepSpeed and Megatron-LM (their engines write their own checkpoints),
 XLA. ``accelerator.register_save_state_pre_hook`` hooks are not called: they receive accelerate's
 file layout.
@@ -22,15 +30,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .directory import step_name
+from .dist import get_comm, outcome, raise_for
 from .errors import IncompatibleRequestError, ValidationError
 from .integrations.rng import RngPolicy, apply_rng_state, rng_load_template, rng_sharded_state_dict
 from .loading import load, load_content_metadata
 from .saver import AsyncSaveHandle, Saver, SaveStats
 from .sharding import ShardedObject, detached_copy
+
+if TYPE_CHECKING:  # the manager is a layer above this one: used, never imported
+    from .manager import CheckpointManager
 
 __all__ = ["WRITER", "load_state", "save_state"]
 
@@ -40,64 +53,107 @@ _UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
 
 def save_state(
     accelerator: Any,
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | CheckpointManager,
     *,
+    step: int | None = None,
     overwrite: bool = False,
     saver: Saver | None = None,
     async_save: bool = False,
-) -> SaveStats | AsyncSaveHandle:
+) -> SaveStats | AsyncSaveHandle | None:
     """Save what ``accelerator.save_state`` saves into the shardsafe checkpoint ``path``; every
     rank calls it. ``async_save=True`` returns the Saver's handle once staged (pass a ``saver``
-    you keep, and wait for the handle before the next save)."""
+    you keep, and wait for the handle before the next save).
+
+    ``path`` may be a :class:`~shardsafe.CheckpointManager`: the state is saved as its step
+    ``step`` (required: the run's own count of optimizer steps, since ``accelerator.step``
+    restarts with every epoch), returning what ``manager.save`` returns (a handle with its
+    default ``async_save``); ``overwrite``, ``saver`` and ``async_save`` are then the manager's
+    own settings."""
     _check_supported(accelerator)
+    manager, where = _split(path)
+    if manager is None and step is not None:
+        raise ValidationError(
+            f"step={step} names a step of a CheckpointManager; pass the manager in place of "
+            f"the path {path!r}, or leave step out"
+        )
+    if manager is not None and (overwrite or saver is not None or async_save):
+        raise ValidationError(
+            "overwrite=, saver= and async_save= apply to a path; a CheckpointManager saves "
+            "with its own Saver (set async_save= on the manager; a step saved again replaces it)"
+        )
+    if manager is not None and step is None:
+        raise ValidationError(
+            f"saving into the CheckpointManager of {manager.root} needs step= (the run's count "
+            "of completed steps; accelerator.step restarts at 0 with every epoch)"
+        )
     state = _state(accelerator)
     state["rng"] = rng_sharded_state_dict("rng")["rng"]
     content = {"writer": WRITER, **_counts(accelerator)}
+    if manager is not None:
+        assert step is not None
+        return manager.save(step, state, content_metadata=content)
+    assert where is not None
     if saver is None:
         if async_save:
             raise ValidationError(
                 "async_save=True needs a saver= you keep (its handle writes in the background)"
             )
         with contextlib.closing(Saver()) as own:
-            return own.save(state, path, overwrite=overwrite, content_metadata=content)
+            return own.save(state, where, overwrite=overwrite, content_metadata=content)
     if async_save:
-        return saver.async_save(state, path, overwrite=overwrite, content_metadata=content)
-    return saver.save(state, path, overwrite=overwrite, content_metadata=content)
+        return saver.async_save(state, where, overwrite=overwrite, content_metadata=content)
+    return saver.save(state, where, overwrite=overwrite, content_metadata=content)
 
 
 def load_state(
     accelerator: Any,
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | CheckpointManager,
     *,
     rng: RngPolicy | str = RngPolicy.AUTO,
-) -> None:
+    step: int | None = None,
+    fallback: bool = True,
+) -> int | None:
     """Restore what :func:`save_state` saved into the accelerator's prepared objects; every rank
     calls it. The checkpoint must hold the same number of models, optimizers, schedulers,
     registered objects and dataloaders. ``rng``: see :class:`shardsafe.integrations.rng.RngPolicy`
-    (``auto``: exact with the same world size, re-derived otherwise)."""
+    (``auto``: exact with the same world size, re-derived otherwise).
+
+    ``path`` may be a :class:`~shardsafe.CheckpointManager`: its step ``step``, by default the
+    newest committed one, falling back to the newest older intact step when that one is damaged
+    (``fallback=False`` raises instead). Returns the step loaded (None for a path). Raises
+    :class:`~shardsafe.CheckpointNotFoundError` when the manager has no committed step."""
+    _check_supported(accelerator)
+    manager, where = _split(path)
+    if manager is None:
+        if step is not None:
+            raise ValidationError(
+                f"step={step} names a step of a CheckpointManager; pass the manager in place "
+                f"of the path {path!r}, or leave step out"
+            )
+        assert where is not None
+        _load_into(accelerator, os.fspath(where), rng)
+        return None
+    name = None if step is None else step_name(step)
+    manager.restore_with(lambda p: _load_into(accelerator, p, rng), name, fallback=fallback)
+    return manager.restored_step
+
+
+def _load_into(accelerator: Any, path: str, rng: RngPolicy | str) -> None:
+    """Load ``path`` (collective); the live objects change only after every block verified."""
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    _check_supported(accelerator)
-    content = load_content_metadata(path) or {}
-    if content.get("writer") != WRITER:
-        raise IncompatibleRequestError(
-            f"{path}: not written by shardsafe.accelerate.save_state (content_metadata "
-            f"{content!r}); load it with shardsafe.load"
-        )
-    counts = _counts(accelerator)
-    differ = {k: (content.get(k), n) for k, n in counts.items() if content.get(k) != n}
-    if differ:
-        raise IncompatibleRequestError(
-            f"{path}: saved with a different set of prepared objects: "
-            + ", ".join(f"{k}: {saved} saved, {n} here" for k, (saved, n) in differ.items())
-        )
+    # checks that read only the manifest run on each rank: every rank raises together (so that
+    # a manager falls back together) instead of some entering the load while others left
+    rng_entry, error = outcome(lambda: _check_checkpoint(accelerator, path, rng))
+    raise_for(get_comm(None).all_gather(error), "load_state")
+    assert rng_entry is not None
     # copies: load fills a template in place, and the live state must stay as it is until
     # every block was read and verified
     template = detached_copy(_state(accelerator))
-    template.update(rng_load_template(path, "rng", rng))
+    template.update(rng_entry)
     loaded = load(template, path)
     # everything was read and verified; only now are the live objects changed
     for model, sd in zip(accelerator._models, loaded["models"], strict=True):
@@ -114,6 +170,49 @@ def load_state(
         accelerator.scaler.load_state_dict(loaded["scaler"])
     accelerator.step = int(loaded["step"])
     apply_rng_state(loaded.get("rng"), rng)
+
+
+def _check_checkpoint(accelerator: Any, path: str, rng: RngPolicy | str) -> dict[str, Any]:
+    """Refuse a checkpoint of another writer or of other objects; the RNG template entry."""
+    content = load_content_metadata(path) or {}
+    if content.get("writer") != WRITER:
+        raise IncompatibleRequestError(
+            f"{path}: not written by shardsafe.accelerate.save_state (content_metadata "
+            f"{content!r}); load it with shardsafe.load"
+        )
+    counts = _counts(accelerator)
+    differ = {k: (content.get(k), n) for k, n in counts.items() if content.get(k) != n}
+    if differ:
+        raise IncompatibleRequestError(
+            f"{path}: saved with a different set of prepared objects: "
+            + ", ".join(f"{k}: {saved} saved, {n} here" for k, (saved, n) in differ.items())
+        )
+    return rng_load_template(path, "rng", rng)
+
+
+def _split(
+    path: str | os.PathLike[str] | CheckpointManager,
+) -> tuple[CheckpointManager | None, str | os.PathLike[str] | None]:
+    """(the manager, None) or (None, the path)."""
+    if isinstance(path, (str, os.PathLike)):
+        return None, path
+    if callable(getattr(path, "restore_with", None)) and callable(getattr(path, "save", None)):
+        # accelerate's ranks are the default group's, and the manager's restore_with reads
+        # its persistent root only: a local tier's newer steps would be passed over
+        if getattr(path, "process_group", None) is not None:
+            raise ValidationError(
+                f"the CheckpointManager of {path.root} has a process_group: accelerate runs "
+                "every rank of the default group; create the manager without one"
+            )
+        if getattr(path, "_local", None) is not None:
+            raise ValidationError(
+                f"the CheckpointManager of {path.root} has a local_root: shardsafe.accelerate "
+                "saves to and resumes from the persistent root only; create it without local_root"
+            )
+        return path, None
+    raise ValidationError(
+        f"expected a checkpoint path or a shardsafe.CheckpointManager, got {type(path).__name__}"
+    )
 
 
 # -- the state --------------------------------------------------------------------------------
