@@ -2,15 +2,16 @@
 ``shardsafe.accelerate.save_state(accelerator, path)`` in place of ``accelerator.save_state(path)``.
 
 What ``Accelerator.save_state`` saves, the same way on every distributed type it supports here
-(one process, DDP / multi-CPU, FSDP and FSDP2): each prepared model and optimizer through
+(tested: one process, DDP / multi-CPU, and FSDP2 models sharded with ``fully_shard``; FSDP1 and
+accelerate's own FSDP2 wrapping take the same code path but need an accelerator to run): each prepared model and optimizer through
 ``torch.distributed.checkpoint.state_dict`` (canonical parameter names, no ``module.`` prefix;
 under FSDP2 the DTensor shards, each rank writing its own, where accelerate hard-codes DCP's
 ``FileSystemWriter``), each scheduler's ``state_dict()``, the step counter, the gradient scaler,
 the objects registered with ``register_for_checkpointing``, the sampler state of dataloaders
 with accelerate's seedable sampler and the state of stateful dataloaders (per rank), and every
 rank's RNG states (torch, CUDA, Python, numpy; per rank). One Saver commit: per-block
-checksums, an atomic publish, every rank's error agreed. ``load_state`` reads it back into any
-layout (another world size, FSDP2 <-> DDP), verifying every block; damage raises a
+checksums, an atomic publish, every rank's error agreed. ``load_state`` reads it back into
+another world size or sharding (tensors are resharded by their global geometry), verifying every block; damage raises a
 :class:`~shardsafe.CheckpointError` before any object is changed.
 
 Pass a :class:`~shardsafe.CheckpointManager` in place of the path to keep numbered steps
