@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -382,11 +383,15 @@ def test_resume_falls_back_past_a_damaged_step(tmp_path: Path) -> None:
     assert _visible(ckpt) == ["step-6", "step-8"]
     assert main(["verify", str(ckpt / "step-6")]) == 0  # replaced by the resumed run's save
 
+    # an intact step 0 stands for torchtitan's seed checkpoint: model only, so no fallback for
+    # a full resume whose failed loads wrote into the optimizer's state
+    shutil.copytree(ckpt / "step-8", ckpt / "step-0")
     _flip_a_byte(ckpt / "step-6")
     _flip_a_byte(ckpt / "step-8")
     for name, message in run_ranks(_resume_expecting_error, WORLD, str(tmp_path), timeout=240):
         assert name == "CorruptCheckpointError"
         assert "step-8" in message and "step-6" in message, message
+        assert "load_step=0" in message, message
 
 
 def test_leftovers_of_an_unfinished_save_are_not_steps(tmp_path: Path) -> None:
