@@ -4,13 +4,15 @@ Real DCP, real gloo ranks: the Writer at N ranks, the Reader at M != N (3 -> 2, 
 DTensors and plain tensors; DCP's own FileSystemWriter of the same state loads to the same values
 (through DCP and through ``shardsafe.load``); ``dcp.async_save`` stages into the Writer's reused
 arena; FSDP2 with DCP's ``get_state_dict``/``set_state_dict``; ``verify``/``inspect``/``convert``
-on what the Writer wrote; a flipped byte and an unsafe value refused.
+on what the Writer wrote; a flipped byte and an unsafe value refused; a run SIGKILLed in the middle
+of its second save resumes from its first, equal to an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -354,3 +356,116 @@ def _per_rank_items(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_items_only_some_ranks_hold_are_nested_where_their_rank_has_them(tmp_path: Path) -> None:
     for common in run_ranks(_per_rank_items, 2, str(tmp_path), timeout=100):
         assert common["loader"] == {"dp_rank_0": {"pos": 10}, "dp_rank_1": {"pos": 11}}
+
+
+# --------------------------------------------------------------------------- a run killed between
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _train(model: Any, optim: Any, rank: int, first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        model(_batch(rank, step)).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _save_step(model: Any, optim: Any, step: int, path: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd, "step": step}, storage_writer=Writer(path))
+
+
+def _kill_every_rank(root: str, world: int) -> None:
+    """SIGKILL every rank at once (their pids are in ``root``), this one last."""
+    from faultinject import kill_self
+
+    for rank in range(world):
+        pid = int(Path(root, f"pid-{rank}").read_text())
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    kill_self()
+
+
+def _killed_run(rank: int, world: int, root: str) -> None:
+    """Trains 2 steps and saves; trains 2 more and is SIGKILLed (every rank) mid-write."""
+    from faultinject import patch_data_writes
+    from torch.distributed.device_mesh import init_device_mesh
+
+    Path(root, f"pid-{rank}").write_text(str(os.getpid()))
+    mesh = init_device_mesh("cpu", (world,))
+    model = _fsdp2_model(0, mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train(model, optim, rank, 1, 2)
+    _save_step(model, optim, 2, f"{root}/step-2")
+    _train(model, optim, rank, 3, 4)
+    patch_data_writes(16, lambda: _kill_every_rank(root, world))
+    _save_step(model, optim, 4, f"{root}/step-4")
+    raise AssertionError("the second save was not killed")
+
+
+def _plain_state(model: Any, optim: Any) -> dict[str, Any]:
+    def full(t: Any) -> Any:  # numpy: a tensor would leave the rank as shared memory
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().numpy().copy()
+
+    osd = optim.state_dict()
+    return {
+        "params": [full(p) for p in model.parameters()],
+        "optim": {i: {k: full(v) for k, v in s.items()} for i, s in osd["state"].items()},
+        "groups": osd["param_groups"],
+    }
+
+
+def _resumed_run(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Loads the first save into a different model, trains to step 6, saves step 4 on the way;
+    beside it, an uninterrupted run of 6 steps."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _fsdp2_model(1, mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd, "step": 0}
+    dcp.load(state, storage_reader=Reader(f"{root}/step-2"))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _train(model, optim, rank, state["step"] + 1, 4)
+    _save_step(model, optim, 4, f"{root}/step-4")  # the path the killed save left is free
+    _train(model, optim, rank, 5, 6)
+    reference = _fsdp2_model(0, mesh)
+    ref_optim = torch.optim.Adam(reference.parameters(), lr=0.1)
+    _train(reference, ref_optim, rank, 1, 6)
+    return {
+        "resumed": _plain_state(model, optim),
+        "uninterrupted": _plain_state(reference, ref_optim),
+    }
+
+
+@pytest.mark.timeout(240)
+def test_a_run_killed_mid_save_resumes_from_its_first_save_exactly(tmp_path: Path) -> None:
+    from distributed import RankFailure
+
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_killed_run, 2, str(tmp_path), timeout=200)
+    assert sorted(info.value.errors) == [0, 1]
+    assert all("exited with code -9" in e for e in info.value.errors.values()), info.value
+    assert any(n.startswith(".step-4") for n in os.listdir(tmp_path))  # half-written, hidden
+    with pytest.raises(shardsafe.IncompleteCheckpointError, match="step-4"):
+        Reader(tmp_path / "step-4")  # names the uncommitted save into it
+    for out in run_ranks(_resumed_run, 2, str(tmp_path), timeout=200):
+        resumed, uninterrupted = out["resumed"], out["uninterrupted"]
+        assert resumed["groups"] == uninterrupted["groups"]
+        for a, b in zip(resumed["params"], uninterrupted["params"], strict=True):
+            assert (a == b).all()
+        assert resumed["optim"].keys() == uninterrupted["optim"].keys()
+        for i, moments in resumed["optim"].items():
+            assert moments.keys() == uninterrupted["optim"][i].keys()
+            for k, v in moments.items():
+                assert (v == uninterrupted["optim"][i][k]).all(), (i, k)
+    assert main(["verify", str(tmp_path / "step-4")]) == 0

@@ -4,22 +4,31 @@ torchtitan 0.3.0's trainer does not run on a CPU-only torch (it calls ``torch.cu
 so these tests drive its checkpoint manager the way the trainer does, with its real state objects:
 an FSDP2 model in its ``ModelWrapper``, its ``OptimizersContainer`` and
 ``LRSchedulersContainer``, its ``ParallelAwareDataloader`` and a ``train_state``; 2 gloo ranks,
-each generation in fresh processes; resumed state exact against an uninterrupted run.
+each generation in fresh processes; resumed state exact against an uninterrupted run. The first
+generation is SIGKILLed (every rank) in the middle of a later save; a resume falls back past a
+step with a flipped byte.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import os
+import shutil
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import RankFailure, run_ranks
 
-pytest.importorskip("torchtitan")
+pytest.importorskip(
+    "torchtitan", reason="torchtitan is not installed (make test-frameworks installs it)"
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -128,9 +137,9 @@ def _train(parts: dict[str, Any], steps: int, manager: Any = None) -> None:
             manager.save(ts.step, last_step=False)
 
 
-def _digest(parts: dict[str, Any]) -> dict[str, Any]:
+def _digest(parts: dict[str, Any], next_batch: bool = True) -> dict[str, Any]:
     """Everything a resume must restore, as plain tensors: weights, optimizer state, lr, the
-    step, and the data the loader gives next."""
+    step, and (``next_batch``: taken from the loader) the data the loader gives next."""
     from torch.distributed.tensor import DTensor
 
     def plain(v: Any) -> Any:
@@ -138,15 +147,17 @@ def _digest(parts: dict[str, Any]) -> dict[str, Any]:
             return v.full_tensor().clone()
         return v.clone() if isinstance(v, torch.Tensor) else v
 
-    if parts["it"] is None:
-        parts["it"] = iter(parts["loader"])
-    return {
+    out = {
         "model": {k: plain(v) for k, v in parts["model"].state_dict().items()},
         "optim": {k: plain(v) for k, v in parts["optimizers"].state_dict().items()},
         "lr": [s.get_last_lr() for s in parts["schedulers"].schedulers],
         "train_state": parts["train_state"].state_dict(),
-        "next_batch": next(parts["it"]).clone(),
     }
+    if next_batch:
+        if parts["it"] is None:
+            parts["it"] = iter(parts["loader"])
+        out["next_batch"] = next(parts["it"]).clone()
+    return out
 
 
 def _bytes(digest: dict[str, Any]) -> bytes:
@@ -164,6 +175,46 @@ def _uninterrupted(rank: int, world: int, steps: int) -> bytes:
     parts = _setup(rank, world, seed=0)
     _train(parts, steps)
     return _bytes(_digest(parts))
+
+
+def _uninterrupted_at(rank: int, world: int, middle: int, steps: int) -> bytes:
+    """The state after ``middle`` steps (no batch taken) and after ``steps``."""
+    parts = _setup(rank, world, seed=0)
+    _train(parts, middle)
+    at_middle = _digest(parts, next_batch=False)
+    _train(parts, steps - middle)
+    return _bytes({"middle": at_middle, "end": _digest(parts)})
+
+
+def _kill_every_rank(root: str, world: int) -> None:
+    """SIGKILL every rank of the generation at once (their pids are in ``root``), this one last."""
+    from faultinject import kill_self
+
+    for rank in range(world):
+        pid = int(Path(root, f"pid-{rank}").read_text())
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    kill_self()
+
+
+def _killed_generation(rank: int, world: int, root: str, async_mode: str) -> None:
+    """Trains and saves steps 2, 4, 6, then every rank is SIGKILLed 16 bytes into the data of
+    step 8's save."""
+    from faultinject import patch_data_writes
+
+    Path(root, f"pid-{rank}").write_text(str(os.getpid()))
+    parts = _setup(rank, world, seed=0)
+    manager = _manager(parts, root, async_mode)
+    assert manager.load() is False  # a fresh start
+    _train(parts, 6, manager)
+    manager.maybe_wait_for_saving()  # step 6 committed
+    patch_data_writes(16, lambda: _kill_every_rank(root, world))
+    _train(parts, 2, manager)
+    manager.maybe_wait_for_saving()
+    raise AssertionError("the save of step 8 was not killed")
 
 
 def _first_generation(
@@ -206,20 +257,35 @@ def _assert_same(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
+def _visible(ckpt: Path) -> list[str]:
+    return sorted(n for n in os.listdir(ckpt) if not n.startswith("."))
+
+
 @pytest.mark.parametrize("async_mode", ["disabled", "async", "async_with_pinned_mem"])
-def test_torchtitan_save_and_resume_is_exact(tmp_path: Path, async_mode: str) -> None:
+def test_torchtitan_killed_mid_save_resumes_exactly(tmp_path: Path, async_mode: str) -> None:
+    """Generation 1 is SIGKILLed (every rank) in the middle of step 8's save; generation 2
+    resumes the newest committed step, 6, and ends equal to an uninterrupted run."""
     from shardsafe.cli import main
+    from shardsafe.torchtitan_checkpoint import _committed_steps
 
     expected = [_unbytes(r) for r in run_ranks(_uninterrupted, WORLD, 8, timeout=240)]
-    run_ranks(_first_generation, WORLD, str(tmp_path), async_mode, 6, timeout=240)
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_killed_generation, WORLD, str(tmp_path), async_mode, timeout=240)
+    assert sorted(info.value.errors) == list(range(WORLD))
+    assert all("exited with code -9" in e for e in info.value.errors.values()), info.value
     ckpt = tmp_path / "ckpt"
-    # interval 2 saved steps 2, 4, 6; keep_latest_k=2 kept the last two
-    assert sorted(os.listdir(ckpt)) == ["step-4", "step-6"]
+    # interval 2 saved steps 2, 4, 6 (keep_latest_k=2 deletes the older ones, in the background);
+    # step 8's save left its half-written work directory, not a step
+    assert [s for s, _ in _committed_steps(str(ckpt))][-1] == 6
+    assert "step-8" not in os.listdir(ckpt)
+    assert any(n.startswith(".step-8") for n in os.listdir(ckpt)), os.listdir(ckpt)
     assert main(["verify", str(ckpt / "step-6")]) == 0  # a shardsafe checkpoint
     got = [_unbytes(r) for r in run_ranks(_resume, WORLD, str(tmp_path), 2, timeout=240)]
     for rank in range(WORLD):
         _assert_same(got[rank], expected[rank], f"rank {rank}")
+    # the killed save's remains went when generation 2's manager started
     assert sorted(os.listdir(ckpt)) == ["step-6", "step-8"]
+    assert main(["verify", str(ckpt / "step-8")]) == 0
 
 
 def test_resume_from_a_folder_torchtitans_own_manager_wrote(tmp_path: Path) -> None:
@@ -241,7 +307,48 @@ def _flip_a_byte(ckpt: Path) -> None:
     data.write_bytes(bytes(raw))
 
 
-def _resume_expecting_error(rank: int, world: int, root: str) -> str:
+class _Seen(logging.Handler):
+    """The warnings shardsafe logs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def _warnings() -> Iterator[list[str]]:
+    seen = _Seen()
+    logger = logging.getLogger("shardsafe")
+    logger.addHandler(seen)
+    try:
+        yield seen.messages
+    finally:
+        logger.removeHandler(seen)
+
+
+def _resume_past_damage(rank: int, world: int, root: str, steps: int) -> bytes:
+    """Step 6 asked for by number raises; a resume loads step 4, with a warning."""
+    import shardsafe
+
+    parts = _setup(rank, world, seed=1)
+    manager = _manager(parts, root, "disabled")
+    try:
+        with pytest.raises(shardsafe.CorruptCheckpointError):
+            manager.load(step=6)  # load_step=6: that step or an error
+        with _warnings() as seen:
+            assert manager.load() is True
+        loaded = _digest(parts, next_batch=False)
+        _train(parts, steps, manager)  # saves step 6 again, over the damaged one
+        manager.maybe_wait_for_saving()
+        return _bytes({"loaded": loaded, "end": _digest(parts), "warnings": seen})
+    finally:
+        manager.close()
+
+
+def _resume_expecting_error(rank: int, world: int, root: str) -> tuple[str, str]:
     import shardsafe
 
     parts = _setup(rank, world, seed=1)
@@ -249,16 +356,42 @@ def _resume_expecting_error(rank: int, world: int, root: str) -> str:
     try:
         with pytest.raises(shardsafe.CheckpointError) as info:
             manager.load()
-        return type(info.value).__name__
+        return type(info.value).__name__, str(info.value)
     finally:
         manager.close()
 
 
-def test_a_flipped_byte_is_caught_on_resume(tmp_path: Path) -> None:
-    run_ranks(_first_generation, WORLD, str(tmp_path), "disabled", 2, timeout=240)
-    _flip_a_byte(tmp_path / "ckpt" / "step-2")
-    names = run_ranks(_resume_expecting_error, WORLD, str(tmp_path), timeout=240)
-    assert names == ["CorruptCheckpointError"] * WORLD
+def test_resume_falls_back_past_a_damaged_step(tmp_path: Path) -> None:
+    """A flipped byte in the newest step: the resume loads the step before it, exactly (none
+    of what the damaged step's load wrote stays), says so, and saves over the damaged step;
+    every step damaged: it raises, naming each."""
+    from shardsafe.cli import main
+
+    expected = [_unbytes(r) for r in run_ranks(_uninterrupted_at, WORLD, 4, 8, timeout=240)]
+    run_ranks(_first_generation, WORLD, str(tmp_path), "disabled", 6, timeout=240)
+    ckpt = tmp_path / "ckpt"
+    _flip_a_byte(ckpt / "step-6")
+    got = [
+        _unbytes(r) for r in run_ranks(_resume_past_damage, WORLD, str(tmp_path), 4, timeout=240)
+    ]
+    for rank in range(WORLD):
+        _assert_same(got[rank]["loaded"], expected[rank]["middle"], f"rank {rank} loaded")
+        _assert_same(got[rank]["end"], expected[rank]["end"], f"rank {rank} end")
+        skipped = [m for m in got[rank]["warnings"] if "step-6 is damaged" in m]
+        assert skipped and "checksum" in skipped[0] and "loading step 4" in skipped[0]
+        assert any("resumed from" in m and "step-4" in m for m in got[rank]["warnings"])
+    assert _visible(ckpt) == ["step-6", "step-8"]
+    assert main(["verify", str(ckpt / "step-6")]) == 0  # replaced by the resumed run's save
+
+    # an intact step 0 stands for torchtitan's seed checkpoint: model only, so no fallback for
+    # a full resume whose failed loads wrote into the optimizer's state
+    shutil.copytree(ckpt / "step-8", ckpt / "step-0")
+    _flip_a_byte(ckpt / "step-6")
+    _flip_a_byte(ckpt / "step-8")
+    for name, message in run_ranks(_resume_expecting_error, WORLD, str(tmp_path), timeout=240):
+        assert name == "CorruptCheckpointError"
+        assert "step-8" in message and "step-6" in message, message
+        assert "load_step=0" in message, message
 
 
 def test_leftovers_of_an_unfinished_save_are_not_steps(tmp_path: Path) -> None:

@@ -13,6 +13,16 @@ protocol and verified on load. What differs from torchtitan's, and why:
 * resume finds the newest *committed* ``step-N`` (our manifest, or DCP's ``.metadata`` for a
   folder torchtitan's own manager wrote); a save in flight or a crashed one's leftover
   (``.step-N.tmp-*``) never counts;
+* resume (``load()``, step -1) falls back to the next-newest committed step when a step proves
+  damaged (a checksum, a truncated or missing file: on every failing rank), with a warning
+  naming the step skipped and why; the fallback is a full load of every state the damaged one
+  could have written into, so nothing of the damaged step stays. Anything else (a file the OS
+  would not read, a dead rank, a state that does not fit) is raised, as is the damage of a step
+  asked for by number (``load_step=N``). A step skipped so is replaced by this run's save of
+  that step (kept, for inspection, until then);
+* a save killed midway leaves a hidden work directory (and its lease), never a step: the
+  coordinator removes such remains when the manager starts (once their lease has expired: a
+  save in flight elsewhere is left alone), as :class:`shardsafe.CheckpointManager` does;
 * ``keep_latest_k`` keeps the k newest committed steps and deletes older ones manifest first, so
   an interrupted deletion leaves a leftover, never a torn checkpoint that looks committed;
 * a failed save or load raises the :class:`~shardsafe.CheckpointError` behind DCP's
@@ -27,6 +37,7 @@ HuggingFace storage): they are exports and imports, not shardsafe checkpoints.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
@@ -44,10 +55,19 @@ from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 
 from .dcp import Reader, Writer
-from .errors import CheckpointError
+from .directory import CheckpointDirectory
+from .dist import agree, get_comm
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DistributedError,
+    is_damaged_checkpoint,
+)
 from .format import MANIFEST_NAME
 
 __all__ = ["ShardsafeCheckpointManager"]
+
+log = logging.getLogger("shardsafe")
 
 _STEP = re.compile(r"step-(\d+)")
 _DCP_METADATA = ".metadata"
@@ -66,6 +86,7 @@ class ShardsafeCheckpointManager(CheckpointManager):
             return
         self._writers: dict[Any, Writer] = {}
         self._in_flight: tuple[int, str] | None = None  # the async save not yet committed
+        self._replace: set[int] = set()  # steps a resume skipped as damaged: saved over
         if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             # the Writer is the stager; torchtitan's DefaultStager (DCP's separate process,
             # which cannot run our commit) is never made: it also refuses to exist without CUDA
@@ -79,6 +100,8 @@ class ShardsafeCheckpointManager(CheckpointManager):
                 target=purge_thread, args=(me.purge_queue, _remove_checkpoint), daemon=True
             )
             me.purge_thread.start()
+        if not self.load_only and get_comm().is_coordinator and filesystem.isdir(self.folder):
+            _Steps(self.folder).clean()  # what saves killed midway left
 
     def _close(self) -> None:
         try:
@@ -107,6 +130,10 @@ class ShardsafeCheckpointManager(CheckpointManager):
         writer = self._writers.get(pg)
         if writer is None:
             writer = self._writers[pg] = Writer(checkpoint_id, process_group=pg)
+        step = _STEP.fullmatch(os.path.basename(checkpoint_id.rstrip("/")))
+        # only a step this manager's resume proved damaged is replaced (intact until the new
+        # save commits); any other committed step is refused, as a second save into it would be
+        writer.overwrite = step is not None and int(step.group(1)) in self._replace
         ret: Future[Any] | AsyncSaveResponse | None = None
         try:
             if async_mode == AsyncMode.DISABLED:
@@ -123,7 +150,6 @@ class ShardsafeCheckpointManager(CheckpointManager):
                     process_group=pg,
                 )
                 ret = fut
-                step = _STEP.fullmatch(os.path.basename(checkpoint_id.rstrip("/")))
                 if step is not None:
                     self._in_flight = (int(step.group(1)), checkpoint_id)
                 if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
@@ -161,12 +187,65 @@ class ShardsafeCheckpointManager(CheckpointManager):
         if from_hf or _is_dcp_dir(checkpoint_id):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
+        # the manifest is read by every rank: a failure anywhere is raised everywhere (a rank
+        # that went on into dcp.load alone would wait for the others)
+        reader = agree(get_comm(), lambda: Reader(checkpoint_id), f"opening {checkpoint_id}")
         try:
-            dcp.load(state_dict, storage_reader=Reader(checkpoint_id))
+            dcp.load(state_dict, storage_reader=reader)
         except CheckpointException as e:
-            raise _cause(e) from e
+            raise _load_cause(e, checkpoint_id) from e
         if MODEL in self.states:  # torchtitan flattens the model's state into the top level
             self.states[MODEL].load_state_dict(state_dict)
+
+    def _load(self, step: int = -1) -> bool:
+        """torchtitan's load; a resume (step -1) falls back past damaged steps (module doc)."""
+        if step != -1:  # a step asked for by number is that step or an error
+            return bool(super()._load(step))
+        comm = get_comm()
+        listed = _committed_steps(self.folder) if comm.is_coordinator else None
+        candidates = [int(s) for s, _ in reversed(comm.broadcast(listed) or [])]
+        if not candidates:  # a fresh start, or torchtitan's initial load
+            return bool(super()._load(step))
+        failures: list[str] = []
+        for index, candidate in enumerate(candidates):
+            path = self._create_checkpoint_id(candidate)
+            if candidate == 0 and failures:
+                failures.append(
+                    f"{path}: torchtitan's model-only seed checkpoint, not a fallback for a full "
+                    "resume (the failed loads may have written into the optimizer's state); "
+                    "to start from it, run again with checkpoint.load_step=0"
+                )
+                break
+            try:
+                loaded = bool(super()._load(candidate))
+            except CheckpointError as e:
+                if not is_damaged_checkpoint(e):
+                    raise  # only proven damage moves on (an unreadable file is no proof)
+                failures.append(f"{path}: {e}")
+                later = candidates[index + 1 :]
+                log.warning(
+                    "torchtitan resume: %s is damaged (%s); %s",
+                    path,
+                    e,
+                    f"loading step {later[0]} instead"
+                    if later
+                    else "no older committed step is left",
+                )
+                continue
+            if failures:
+                self._replace.update(candidates[:index])
+                log.warning(
+                    "torchtitan resume: resumed from %s, not the newest committed step %s: %s",
+                    path,
+                    candidates[0],
+                    "; ".join(failures),
+                )
+            return loaded
+        raise CorruptCheckpointError(
+            f"no committed step under {self.folder} could be loaded: "
+            + "; ".join(failures)
+            + " (the files are kept; `shardsafe verify <step>` shows what is wrong)"
+        )
 
     # -- the folder ----------------------------------------------------------------------------
     def _find_load_step(self, folder: str = "") -> int:
@@ -185,6 +264,24 @@ class ShardsafeCheckpointManager(CheckpointManager):
             for step in steps[: -self.keep_latest_k]:
                 if step != self._in_flight:
                     self.purge_queue.put(step[1])
+
+
+class _Steps(CheckpointDirectory):
+    """torchtitan's ``step-N`` names, to clean up after saves that never committed: their hidden
+    work directories and expired leases only. A visible ``step-N`` without our manifest is never
+    a leftover here: it may be torchtitan's own DCP folder or its HF export."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(folder, pointer="latest")  # torchtitan writes no pointer
+
+    def owns(self, name: str) -> bool:
+        return _STEP.fullmatch(name) is not None
+
+    def order(self, name: str) -> Any:
+        return int(name.removeprefix("step-"))
+
+    def claims_uncommitted(self, name: str) -> bool:
+        return False
 
 
 class _WriterStages:
@@ -229,6 +326,28 @@ def _remove_checkpoint(path: str) -> None:
         else:
             os.remove(manifest)
     filesystem.rmtree(path)
+
+
+def _load_cause(e: CheckpointException, path: str) -> BaseException:
+    """The error behind a failed ``dcp.load``, the same on every rank (DCP gathers them): the
+    ranks' common :class:`CheckpointError`; when they failed differently, a
+    :class:`DistributedError` naming each (damage only if every one is); when no rank's is
+    ours, DCP's exception itself."""
+    causes = {
+        rank: failure[0] if isinstance(failure, tuple) else failure
+        for rank, failure in e.failures.items()
+    }
+    ours = [c for c in causes.values() if isinstance(c, CheckpointError)]
+    if not ours:
+        return e
+    if len(ours) == len(causes) and len({type(c) for c in ours}) == 1:
+        return ours[0]
+    return DistributedError(
+        f"loading {path} failed on ranks {sorted(causes)}: "
+        + "; ".join(f"rank {r}: {type(c).__name__}: {c}" for r, c in sorted(causes.items())),
+        {r: str(c) for r, c in causes.items()},
+        {r: type(c).__name__ for r, c in causes.items()},
+    )
 
 
 def _cause(e: CheckpointException) -> BaseException:
