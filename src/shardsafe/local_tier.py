@@ -40,7 +40,7 @@ from .checksum import DEFAULT_BLOCK_BYTES
 from .commit import assemble, check_files, commit
 from .directio import DirectIO
 from .directory import StepDirectory, parse_step
-from .dist import error_record, get_comm, outcome, raise_for
+from .dist import Comm, error_record, get_comm, outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
 from .errors import CheckpointError
 from .format import Extent, Manifest
@@ -111,6 +111,24 @@ def _claim_run_dir(base: str, name: str, identity: Mapping[str, str]) -> None:
             ", ".join(legacy[:3]),
             " ..." if len(legacy) > 3 else "",
         )
+
+
+@dataclass(frozen=True)
+class LocalPlaces:
+    """What a restore from the local tier needs of it: the places, this rank's among them,
+    the ranks and the copy group (:mod:`shardsafe.local_restore` takes this, not the tier)."""
+
+    comm: Comm
+    host: str  # this rank's host (``node_id``)
+    root: str  # this run's directory of local steps in this rank's place
+    dir: StepDirectory  # ``root`` as a directory of steps
+    place: Place  # (host, root) of this rank
+    places: list[Place]  # every rank's place, by rank
+    ranks_of: dict[Place, list[int]]  # the ranks of each place, lowest (its leader) first
+    leader: bool  # this rank leads its place
+    group: Any  # the tier's own gloo group for copies (None in one process)
+    timeout: float  # how long a rank waits for the others to arrive
+    dead_after: float  # a rank silent this long while others wait for it is dead
 
 
 @dataclass(frozen=True)
@@ -220,6 +238,23 @@ class LocalTier:
         if any(errors):
             self.close()
             raise_for(errors, f"opening the local tier in {self.base}")
+
+    @property
+    def view(self) -> LocalPlaces:
+        """The places of this tier as a restore sees them."""
+        return LocalPlaces(
+            self.comm,
+            self.host,
+            self.root,
+            self.dir,
+            self.place,
+            self.places,
+            self.ranks_of,
+            self.leader,
+            self.group,
+            self.timeout,
+            self.dead_after,
+        )
 
     # -- saving -----------------------------------------------------------------------------
     def save(

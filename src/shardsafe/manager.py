@@ -450,7 +450,8 @@ class CheckpointManager:
         local = self._local
         assert local is not None
         self._settle()
-        inv = local_restore.inventory(local)
+        local.settle()
+        inv = local_restore.inventory(local.view)
         steps: list[str] = inv["steps"]
         if step is not None:
             steps = [n for n in steps if n == step_name(step)]
@@ -465,7 +466,7 @@ class CheckpointManager:
             steps = [n for n in steps if floor is None or (parse_step(n) or 0) >= floor]
         for index, name in enumerate(steps):
             try:
-                result = local_restore.restore(local, name, inv, state, load_into)
+                result = local_restore.restore(local.view, name, inv, state, load_into)
             except CheckpointError as e:
                 if not fallback or not is_damaged_checkpoint(e):
                     raise  # only proven damage moves on (an unreadable file is no proof)
