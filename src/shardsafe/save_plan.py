@@ -77,10 +77,15 @@ def object_desc(obj: ShardedObject) -> ObjectDesc:
 def prepare(sharded_state_dict: Any, rank: int) -> tuple[SplitStateDict, LocalPlan]:
     """Apply factories, split off common state, describe this rank's pieces.
 
-    Plain tensor leaves are replicas of one whole tensor: rank 0's is the main one.
+    Plain tensor leaves are replicas of one whole tensor: rank 0's is the main one. A
+    :class:`SplitStateDict` is a state its caller took apart already (a converter's tensors
+    and common state) and is planned as it is.
     """
-    resolved, _ = resolve_stateful(sharded_state_dict)  # Stateful objects: their state_dict()
-    split = split_state_dict(apply_factories(adapt(resolved)))
+    if isinstance(sharded_state_dict, SplitStateDict):
+        split = sharded_state_dict
+    else:
+        resolved, _ = resolve_stateful(sharded_state_dict)  # Stateful objects: their state_dict()
+        split = split_state_dict(apply_factories(adapt(resolved)))
     for i in split.replicated:
         path, st = split.tensors[i]
         split.tensors[i] = (path, replace(st, replica_id=rank))

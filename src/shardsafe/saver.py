@@ -43,7 +43,14 @@ from .location import locate
 from .save_plan import PlanCache, PlannedSave, plan_save
 from .save_plan import prepare as split_pieces
 from .save_target import abort
-from .save_write import ShareItems, encode_share, merge_results, waves, write_share
+from .save_write import (
+    ShareItems,
+    StreamedTensor,
+    encode_share,
+    merge_results,
+    waves,
+    write_share,
+)
 from .sharding import ShardedTensor
 from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
 from .staging import StagingPool, staged_bytes
@@ -138,6 +145,7 @@ class Saver:
         verify_after_write: bool = False,
         direct_io: str | None = None,
     ) -> None:
+        # a process group, or a Comm (``Comm()``: this process alone, even in a distributed job)
         self.process_group = process_group
         # when data files bypass the page cache: "auto", "always" or "never"; None reads
         # SHARDSAFE_DIRECT_IO now. Holds the bounce buffers of direct writes until close().
@@ -161,6 +169,11 @@ class Saver:
         self._inflight: AsyncSaveHandle | None = None
         self._lock = threading.Lock()
         self._clients: StoreClients | None = None  # connections of the commit protocol
+
+    def comm(self) -> Comm:
+        """The ranks that save together."""
+        pg = self.process_group
+        return pg if isinstance(pg, Comm) else get_comm(pg)
 
     # -- ahead of the first save -------------------------------------------------------------
     def prepare(
@@ -193,7 +206,7 @@ class Saver:
 
     def _pinned_need(self, sharded_state_dict: Any) -> int:
         """Pinned arena bytes a save of this state stages at once (its largest wave)."""
-        comm = get_comm(self.process_group)
+        comm = self.comm()
         split, local = split_pieces(sharded_state_dict, comm.rank)
         pieces: Sequence[int] = range(len(split.tensors))
         entry = self.plan_cache.entry if self.plan_cache is not None else None
@@ -224,10 +237,7 @@ class Saver:
         comm, planned, t0, t_plan = self._plan(
             sharded_state_dict, path, overwrite, content_metadata
         )
-        if any(
-            _data(planned.split.tensors[i][1]).device.type != "cpu"
-            for i in planned.assignment.pieces
-        ):
+        if not all(_on_host(planned.split.tensors[i][1]) for i in planned.assignment.pieces):
             handle = self._stage_and_submit(
                 comm, planned, t0, t_plan, overwrite, content_metadata, progress
             )
@@ -238,7 +248,7 @@ class Saver:
         def share() -> ShareItems:
             s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=False)
             s.items[:0] = [
-                (("p", i), tensor_bytes(_data(planned.split.tensors[i][1])))
+                (("p", i), _host_item(planned.split.tensors[i][1]))
                 for i in planned.assignment.pieces
             ]
             return s
@@ -304,7 +314,7 @@ class Saver:
         early: list[dict[str, Any]] = []  # records of the waves written before returning
 
         def stage(pieces: list[int]) -> list[tuple[Any, Any]]:
-            staged = self.staging.stage([_data(planned.split.tensors[i][1]) for i in pieces])
+            staged = self.staging.stage([_to_stage(planned.split.tensors[i][1]) for i in pieces])
             return [(("p", i), item) for i, item in zip(pieces, staged, strict=True)]
 
         def stage_all() -> ShareItems:
@@ -394,7 +404,7 @@ class Saver:
     ) -> tuple[Comm, PlannedSave, float, float]:
         """Wait for the save in flight, then plan this one: (comm, plan, start time, planning s)."""
         self._settle_previous()
-        comm = get_comm(self.process_group)
+        comm = self.comm()
         t0 = time.perf_counter()
         planned = plan_save(
             comm,
@@ -500,6 +510,23 @@ class Saver:
 def _data(st: ShardedTensor) -> torch.Tensor:
     assert st.data is not None  # checked while planning
     return st.data
+
+
+def _to_stage(st: ShardedTensor) -> torch.Tensor:
+    if isinstance(st, StreamedTensor):
+        raise ValidationError(
+            f"{st.key!r}: a streamed tensor is read when written; only Saver.save writes one"
+        )
+    return _data(st)
+
+
+def _on_host(st: ShardedTensor) -> bool:
+    """Written straight from where it is: CPU memory, or read from its source when written."""
+    return isinstance(st, StreamedTensor) or _data(st).device.type == "cpu"
+
+
+def _host_item(st: ShardedTensor) -> Any:
+    return st.item() if isinstance(st, StreamedTensor) else tensor_bytes(_data(st))
 
 
 def _counter(progress: ProgressFn | None, stage: str) -> Callable[[int], None] | None:
