@@ -47,6 +47,7 @@ from .format import Extent, Manifest
 from .lease import LEASE_SECONDS, Lease
 from .location import Location, locate
 from .peers import Copy, Place, check_offered, check_offered_size, place_ranks, replica_peers
+from .retention import Retention, retain
 from .save_plan import PlanCache, PlannedSave, plan_save
 from .save_target import abort, begin, work_dir
 from .save_write import ShareItems, encode_share, write_share
@@ -175,6 +176,8 @@ class LocalTier:
         """The ``local_root`` as given: this run's steps are in its directory :attr:`root`."""
         self.host = str(node_id) if node_id is not None else socket.gethostname()
         self.keep_last = keep_last
+        # a damaged local step is of no use to a restore: it does not stay for inspection
+        self.retention = Retention(keep_last, inspect_damaged=False)
         self.timeout = timeout
         self.dead_after = dead_after
         self.lease_ttl = lease_ttl
@@ -705,19 +708,13 @@ class LocalTier:
 
     def _retain(self, latest: str) -> None:
         """Leader: point ``latest`` at the new step and keep the newest ``keep_last`` intact ones."""
-        try:
-            self.dir.write_pointer(latest)
-            self.dir.unmark(latest)
-            damaged = self.dir.damaged()
-            committed = self.dir.committed()
-            intact = [n for n in committed if n not in damaged]
-            keep = {latest, *intact[-self.keep_last :]}
-            for name in committed:
-                if name not in keep:
-                    self.dir.remove(name)
+
+        def active() -> set[str]:
             with self._lock:
-                active = set(self._active) - {latest}
-            self.dir.clean(active)
+                return set(self._active)
+
+        try:
+            retain(self.dir, latest, lambda c: self.retention.doomed(self.dir, c, latest), active)
         except Exception as e:
             log.warning("local tier %s: retention failed: %s", self.root, e)
 
