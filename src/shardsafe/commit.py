@@ -1,6 +1,11 @@
 """The last step of a save, on the coordinator: assemble the manifest from every rank's write
 record, write it last, fsync, and make the checkpoint visible (rename into place on file
 systems; on object stores the manifest itself is the commit). On any failure, clean up.
+
+:class:`SaveTarget` is the seam of the Saver that says where and how a save is published:
+the persistent tier's (:class:`SharedTarget`: the coordinator publishes in the one shared
+location) or a node-local place's (:class:`shardsafe.local_tier.PlaceTarget`: each place's
+leader publishes the coordinator's manifest beside the files it holds).
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
 from . import __version__
 from .codec import encode_inline, is_plain_json
@@ -33,8 +38,39 @@ from .storage import Storage
 log = logging.getLogger("shardsafe")
 
 
+class SaveTarget(Protocol):
+    """Where and how a save is published; the Saver calls these in this order.
+
+    ``what`` names the save in errors. ``begin_places`` (collective, after planning, in which
+    the coordinator already took its lease with :func:`shardsafe.save_target.begin`) prepares every other place the
+    save writes to. ``decide`` (the coordinator, once every rank's write record is in) returns
+    the outcome every rank gets; ``publish`` (every rank, with that outcome) makes it visible
+    where this rank publishes. ``abort`` cleans up on this rank after the exchange failed
+    (``decided``: the coordinator had run ``decide``).
+    """
+
+    what: str
+
+    def begin_places(self, comm: Comm, planned: PlannedSave, overwrite: bool) -> None: ...
+
+    def decide(
+        self,
+        planned: PlannedSave,
+        records: list[dict[str, Any]],
+        overwrite: bool,
+        content_metadata: Mapping[str, Any] | None,
+        block_bytes: int,
+    ) -> dict[str, Any]: ...
+
+    def publish(
+        self, comm: Comm, planned: PlannedSave, status: dict[str, Any], overwrite: bool
+    ) -> dict[str, Any]: ...
+
+    def abort(self, comm: Comm, planned: PlannedSave, decided: bool) -> None: ...
+
+
 class SharedTarget:
-    """The persistent tier's :class:`shardsafe.save_target.SaveTarget`: every rank writes
+    """The persistent tier's :class:`SaveTarget`: every rank writes
     into the one shared location, the coordinator checks the files and publishes."""
 
     what = "save"

@@ -142,7 +142,7 @@ class Drain:
 
 
 class PlaceTarget:
-    """The local tier's :class:`shardsafe.save_target.SaveTarget`: each place's leader takes
+    """The local tier's :class:`shardsafe.commit.SaveTarget`: each place's leader takes
     a lease and makes the work directory in its place, and publishes there the manifest the
     coordinator assembled (no shared storage: the file check is the after-write's, the peers
     confirm every copy). A place that fails to publish says so; the others have the step."""

@@ -5,62 +5,20 @@ directory), takes the save's lease on the name (:mod:`shardsafe.lease`) and crea
 directory; :func:`abort` removes what an unsuccessful save wrote. On file systems the ranks
 write into a hidden sibling that the commit renames into place; on object stores into the
 target itself, under data file names that carry the save's token.
-
-:class:`SaveTarget` is the seam of the Saver that says where and how a save is published:
-the persistent tier's (:class:`shardsafe.commit.SharedTarget`: the coordinator publishes in
-the one shared location) or a node-local place's (:class:`shardsafe.local_tier.PlaceTarget`:
-each place's leader publishes the coordinator's manifest beside the files it holds).
 """
 
 from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import CheckpointError, CheckpointExistsError
 from .format import MANIFEST_NAME, data_file_name
 from .lease import LEASE_SECONDS, Lease, LeaseInfo, read_lease
 from .location import Location
 
-if TYPE_CHECKING:
-    from .dist import Comm
-    from .save_plan import PlannedSave
-
 _DATA_FILE = re.compile(r"rank-\d{5}-\d{2,}(-[0-9a-f]{16})?\.bin")
 """Data files a shardsafe save writes (the remains of an interrupted one may be replaced)."""
-
-
-class SaveTarget(Protocol):
-    """Where and how a save is published; the Saver calls these in this order.
-
-    ``what`` names the save in errors. ``begin_places`` (collective, after planning, in which
-    the coordinator already took its lease with :func:`begin`) prepares every other place the
-    save writes to. ``decide`` (the coordinator, once every rank's write record is in) returns
-    the outcome every rank gets; ``publish`` (every rank, with that outcome) makes it visible
-    where this rank publishes. ``abort`` cleans up on this rank after the exchange failed
-    (``decided``: the coordinator had run ``decide``).
-    """
-
-    what: str
-
-    def begin_places(self, comm: Comm, planned: PlannedSave, overwrite: bool) -> None: ...
-
-    def decide(
-        self,
-        planned: PlannedSave,
-        records: list[dict[str, Any]],
-        overwrite: bool,
-        content_metadata: Mapping[str, Any] | None,
-        block_bytes: int,
-    ) -> dict[str, Any]: ...
-
-    def publish(
-        self, comm: Comm, planned: PlannedSave, status: dict[str, Any], overwrite: bool
-    ) -> dict[str, Any]: ...
-
-    def abort(self, comm: Comm, planned: PlannedSave, decided: bool) -> None: ...
 
 
 def begin(loc: Location, token: str, overwrite: bool, lease_ttl: float = LEASE_SECONDS) -> Lease:

@@ -18,7 +18,7 @@ the coordinator posts the outcome; a dead rank is named on every rank within ``d
 seconds, a slow one is waited for.
 
 Two seams make the one pipeline serve both tiers. The *target*
-(:class:`shardsafe.save_target.SaveTarget`) says where and how a save is published: the
+(:class:`shardsafe.commit.SaveTarget`) says where and how a save is published: the
 persistent tier's shared location by default, or node-local places whose leaders publish
 (the local tier). The *after-write* step (:class:`AfterWrite`) runs on every rank once it
 wrote its share (the local tier sends copies to peers there) and adds to the record the
@@ -41,7 +41,7 @@ import torch
 
 from .checksum import DEFAULT_BLOCK_BYTES
 from .codec import tensor_bytes
-from .commit import SharedTarget
+from .commit import SaveTarget, SharedTarget
 from .directio import DirectIO
 from .dist import Comm, error_record, get_comm, outcome, raise_for
 from .errors import ValidationError, call_each
@@ -50,7 +50,6 @@ from .lease import LEASE_SECONDS
 from .location import locate
 from .save_plan import PlanCache, PlannedSave, plan_save
 from .save_plan import prepare as split_pieces
-from .save_target import SaveTarget
 from .save_write import (
     ShareItems,
     StreamedTensor,
