@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardsafe import CheckpointReader, load
 from shardsafe.convert import (
     DictSource,
     TorchFileSource,
@@ -23,6 +24,7 @@ from shardsafe.convert import (
     export_torch,
     open_source,
 )
+from shardsafe.convert.native import export_shardsafe
 from shardsafe.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -175,6 +177,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
 
     import torch
     from shardsafe.convert import DcpSource, DictSource, export_dcp, export_hf, export_torch
+    from shardsafe.convert.native import export_shardsafe
 
     COUNT, NUMEL = 8, 16 * 2**20  # 8 tensors of 64 MiB
     out = Path(sys.argv[1])
@@ -204,6 +207,9 @@ _MEMORY_SCRIPT = textwrap.dedent(
             lambda: export_hf(source(), out / "hf", max_shard_size="200MB"), lambda: export_hf(small(), out / "w_hf")
         ),
         "dcp": measure(lambda: export_dcp(source(), out / "dcp"), lambda: export_dcp(small(), out / "w_dcp")),
+        "shardsafe": measure(
+            lambda: export_shardsafe(source(), out / "ss"), lambda: export_shardsafe(small(), out / "w_ss")
+        ),
         "dcp_to_hf": measure(
             lambda: export_hf(DcpSource(out / "dcp"), out / "hf2", max_shard_size="200MB"),
             lambda: export_hf(DcpSource(out / "w_dcp"), out / "w_hf2"),
@@ -242,3 +248,23 @@ def test_memory_stays_within_a_few_tensors(tmp_path: Path) -> None:
         assert len([n for n in zf.namelist() if "/data/" in n]) == 8
     loaded = torch.load(tmp_path / "m.pt", weights_only=True, mmap=True)
     assert torch.equal(loaded["layer.5"][-3:], torch.full((3,), 5.0))
+    reader = CheckpointReader(tmp_path / "ss")
+    assert torch.equal(reader.read_tensor("layer.6")[-3:], torch.full((3,), 6.0))
+
+
+def test_export_to_shardsafe_is_a_save_that_commits_or_leaves_nothing(tmp_path: Path) -> None:
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    good = DictSource({"model.w": w, "b": torch.ones(2, dtype=torch.bfloat16)}, {"step": 7})
+    manifest = export_shardsafe(good, tmp_path / "ss")
+    assert sorted(manifest.tensors) == ["b", "model.w"] and manifest.world_size == 1
+    loaded = load(
+        {"model.w": torch.zeros(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)}, tmp_path / "ss"
+    )
+    assert torch.equal(loaded["model.w"], w) and loaded["step"] == 7
+    with pytest.raises(CheckpointExistsError):
+        export_shardsafe(good, tmp_path / "ss")
+    # a tensor that does not match its description fails the save: nothing published, no leftovers
+    lying = DictSource({"w": ((4,), torch.float32, lambda: torch.zeros(5))})
+    with pytest.raises(CorruptCheckpointError, match="'w'"):
+        export_shardsafe(lying, tmp_path / "bad")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ss"]

@@ -402,3 +402,29 @@ def test_a_place_with_an_unreadable_manifest_skips_the_step(trained: Path, tmp_p
     assert {r["restored"] for r in results} == {12}
     assert all(r["tier"] == "local" for r in results)
     check_exact(results, 12)
+
+
+def test_a_drained_step_stays_committed_when_its_bookkeeping_fails(
+    s3_bucket_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an object store the drained files carry the drain's token: cleaning up after the
+    commit, as if it had not happened, deleted the committed checkpoint's data."""
+    import shardsafe
+    from shardsafe.errors import CheckpointError
+
+    w = torch.arange(64, dtype=torch.float32)
+    mgr = CheckpointManager(s3_bucket_url, local_root=tmp_path / "local", drain=True)
+    try:
+
+        def refuse(name: str) -> None:
+            raise OSError(f"pointer refused for {name}")
+
+        monkeypatch.setattr(mgr._dir, "write_pointer", refuse)  # the bookkeeping after commit
+        handle = mgr.save(1, {"w": w, "step": 1})
+        assert handle is not None
+        with pytest.raises(CheckpointError, match="pointer refused"):
+            handle.result()
+    finally:
+        mgr.close()
+    loaded = shardsafe.load({"w": torch.zeros(64)}, f"{s3_bucket_url}/step_000000001")
+    assert torch.equal(loaded["w"], w) and loaded["step"] == 1

@@ -1,6 +1,11 @@
 """The last step of a save, on the coordinator: assemble the manifest from every rank's write
 record, write it last, fsync, and make the checkpoint visible (rename into place on file
 systems; on object stores the manifest itself is the commit). On any failure, clean up.
+
+:class:`SaveTarget` is the seam of the Saver that says where and how a save is published:
+the persistent tier's (:class:`SharedTarget`: the coordinator publishes in the one shared
+location) or a node-local place's (:class:`shardsafe.local_tier.PlaceTarget`: each place's
+leader publishes the coordinator's manifest beside the files it holds).
 """
 
 from __future__ import annotations
@@ -9,11 +14,11 @@ import logging
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
 from . import __version__
 from .codec import encode_inline, is_plain_json
-from .dist import error_record
+from .dist import Comm, error_record
 from .errors import CheckpointError, CheckpointExistsError
 from .format import (
     MANIFEST_NAME,
@@ -31,6 +36,66 @@ from .save_target import abort, check_target, work_dir
 from .storage import Storage
 
 log = logging.getLogger("shardsafe")
+
+
+class SaveTarget(Protocol):
+    """Where and how a save is published; the Saver calls these in this order.
+
+    ``what`` names the save in errors. ``begin_places`` (collective, after planning, in which
+    the coordinator already took its lease with :func:`shardsafe.save_target.begin`) prepares every other place the
+    save writes to. ``decide`` (the coordinator, once every rank's write record is in) returns
+    the outcome every rank gets; ``publish`` (every rank, with that outcome) makes it visible
+    where this rank publishes. ``abort`` cleans up on this rank after the exchange failed
+    (``decided``: the coordinator had run ``decide``).
+    """
+
+    what: str
+
+    def begin_places(self, comm: Comm, planned: PlannedSave, overwrite: bool) -> None: ...
+
+    def decide(
+        self,
+        planned: PlannedSave,
+        records: list[dict[str, Any]],
+        overwrite: bool,
+        content_metadata: Mapping[str, Any] | None,
+        block_bytes: int,
+    ) -> dict[str, Any]: ...
+
+    def publish(
+        self, comm: Comm, planned: PlannedSave, status: dict[str, Any], overwrite: bool
+    ) -> dict[str, Any]: ...
+
+    def abort(self, comm: Comm, planned: PlannedSave, decided: bool) -> None: ...
+
+
+class SharedTarget:
+    """The persistent tier's :class:`SaveTarget`: every rank writes
+    into the one shared location, the coordinator checks the files and publishes."""
+
+    what = "save"
+
+    def begin_places(self, comm: Comm, planned: PlannedSave, overwrite: bool) -> None:
+        """The coordinator's lease and work directory (taken while planning) are all it needs."""
+
+    def decide(
+        self,
+        planned: PlannedSave,
+        records: list[dict[str, Any]],
+        overwrite: bool,
+        content_metadata: Mapping[str, Any] | None,
+        block_bytes: int,
+    ) -> dict[str, Any]:
+        return finalize(planned, records, overwrite, content_metadata, block_bytes)
+
+    def publish(
+        self, comm: Comm, planned: PlannedSave, status: dict[str, Any], overwrite: bool
+    ) -> dict[str, Any]:
+        return status  # the coordinator published in decide
+
+    def abort(self, comm: Comm, planned: PlannedSave, decided: bool) -> None:
+        if comm.is_coordinator and not decided:  # decide cleans up after itself
+            abort(planned.loc, planned.token, planned.lease)
 
 
 def finalize(
@@ -54,20 +119,42 @@ def finalize(
         manifest = assemble(
             planned.coordinator_plan, [r["result"] for r in records], content_metadata, block_bytes
         )
+    except Exception as e:
+        return _failed(loc, token, lease, e, len(records))
+    return publish_manifest(loc, token, lease, manifest, overwrite, len(records))
+
+
+def publish_manifest(
+    loc: Location,
+    token: str,
+    lease: Lease | None,
+    manifest: Manifest,
+    overwrite: bool,
+    ranks: int,
+) -> dict[str, Any]:
+    """Coordinator: check every file ``manifest`` lists is in the work directory, commit, and
+    release the lease; or clean up. Returns the status for ``ranks`` ranks; never raises."""
+    try:
         check_files(loc, token, manifest)
         commit(loc, token, manifest, overwrite, lease)
     except Exception as e:
-        try:
-            abort(loc, token, lease)
-        except Exception as cleanup:
-            log.warning("could not clean up after the failed save into %s: %s", loc.url, cleanup)
-        return {"errors": [error_record(e)] * len(records)}
+        return _failed(loc, token, lease, e, ranks)
     try:
         if lease is not None:
             lease.release()
     except Exception as e:  # committed: a leftover lease only expires
         log.warning("could not release the lease of %s: %s", loc.url, e)
     return {"total_bytes": manifest.total_bytes}
+
+
+def _failed(
+    loc: Location, token: str, lease: Lease | None, e: Exception, ranks: int
+) -> dict[str, Any]:
+    try:
+        abort(loc, token, lease)
+    except Exception as cleanup:
+        log.warning("could not clean up after the failed save into %s: %s", loc.url, cleanup)
+    return {"errors": [error_record(e)] * ranks}
 
 
 def check_files(loc: Location, token: str, manifest: Manifest) -> None:

@@ -25,7 +25,7 @@ from .engine import DEFAULT_MAX_BUFFER, verify_written
 from .errors import CheckpointError, CorruptCheckpointError, is_damaged_checkpoint
 from .format import MANIFEST_NAME, Extent, Manifest
 from .loading import files_to_read
-from .local_tier import LocalTier
+from .local_tier import LocalPlaces
 from .location import locate
 from .peers import Place, check_offered, check_offered_size, complete_steps, plan_copies
 from .transfer import exchange_files
@@ -33,14 +33,14 @@ from .transfer import exchange_files
 log = logging.getLogger("shardsafe")
 
 
-def inventory(tier: LocalTier) -> dict[str, Any]:
+def inventory(tier: LocalPlaces) -> dict[str, Any]:
     """Collective: which committed local steps each place holds, and which are complete.
 
     Returns ``{"steps": [names, newest first, complete somewhere], "held": {place: {step:
     {file: size}}}, "manifests": {step: {file: size}}, "digests": {step: digest},
     "conflicts": {step: ["host:root digest", ...] where places hold different manifests}}``.
+    Call it once the tier's save in flight has settled (:meth:`LocalTier.settle`).
     """
-    tier.settle()
     comm = tier.comm
     report: dict[str, Any] = {"place": list(tier.place), "steps": {}}
     if tier.leader:
@@ -93,7 +93,7 @@ def inventory(tier: LocalTier) -> dict[str, Any]:
 
 
 def restore(
-    tier: LocalTier,
+    tier: LocalPlaces,
     name: str,
     inv: Mapping[str, Any],
     template: Any,
@@ -194,7 +194,7 @@ def restore(
 
 
 def _verify_held(
-    tier: LocalTier,
+    tier: LocalPlaces,
     needed: Mapping[Place, set[str]],
     held: Mapping[Place, Mapping[str, int]],
     base: str,
@@ -233,7 +233,7 @@ def _verify_held(
 
 
 def _fetch(
-    tier: LocalTier,
+    tier: LocalPlaces,
     needed: Mapping[Place, set[str]],
     held: Mapping[Place, Mapping[str, int]],
     sizes: Mapping[str, int],
@@ -333,7 +333,7 @@ def _fetch(
     raise CorruptCheckpointError("copies kept arriving damaged; giving up on this step")
 
 
-def _agree(tier: LocalTier, err: dict[str, Any] | None, stage: str) -> None:
+def _agree(tier: LocalPlaces, err: dict[str, Any] | None, stage: str) -> None:
     comm = tier.comm
     if comm.distributed:
         raise_for([r["error"] for r in comm.all_gather({"error": err})], stage)
@@ -417,4 +417,4 @@ def _extents_by_file(manifest: Manifest) -> dict[str, list[Extent]]:
     return out
 
 
-__all__ = ["LocalTier"]
+__all__ = ["inventory", "restore"]

@@ -2,11 +2,15 @@
 
 Every rank writes its share of a step into its *place* (its host's local root, e.g. a RAM
 disk or local NVMe) and sends a copy of its files to ``replicas`` ranks on other hosts
-(:func:`shardsafe.peers.replica_peers`), who write them into theirs. The commit is the usual
-one (leases, the store channel with heartbeats, the coordinator's manifest), except that each
-place's leader (its lowest rank) publishes the step in its own directory: the same manifest
-everywhere, beside the data files that place holds. A local step directory is an ordinary
-shardsafe checkpoint that may lack the files held elsewhere.
+(:func:`shardsafe.peers.replica_peers`), who write them into theirs. A local save is an
+ordinary :class:`shardsafe.saver.Saver` async save (plan, staging, the writer thread, the
+store channel with heartbeats, the coordinator's manifest) configured with two seams: its
+target (:class:`PlaceTarget`) has each place's leader (its lowest rank) take a lease there
+and publish the step in its own directory, the same manifest everywhere beside the data
+files that place holds; its after-write step sends the copies to peers and checks them. A
+local step directory is an ordinary shardsafe checkpoint that may lack the files held
+elsewhere. What the tier adds is that replication, the drain into the persistent tier and
+retention in each place.
 
 A node's disk outlives the job, and several runs may share one ``local_root``: each run keeps
 its steps in its own directory ``<local_root>/run-<key>/``, the key a digest of the run's
@@ -28,7 +32,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, cast
@@ -37,22 +40,20 @@ import torch
 import torch.distributed as tdist
 
 from .checksum import DEFAULT_BLOCK_BYTES
-from .commit import assemble, check_files, commit
-from .directio import DirectIO
+from .commit import assemble, commit, publish_manifest
 from .directory import StepDirectory, parse_step
-from .dist import error_record, get_comm, outcome, raise_for
+from .dist import Comm, error_record, get_comm, outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
 from .errors import CheckpointError
 from .format import Extent, Manifest
 from .lease import LEASE_SECONDS, Lease
-from .location import Location, locate
+from .location import Location
 from .peers import Copy, Place, check_offered, check_offered_size, place_ranks, replica_peers
-from .save_plan import PlanCache, PlannedSave, plan_save
+from .retention import Retention, retain
+from .save_plan import PlannedSave
 from .save_target import abort, begin, work_dir
-from .save_write import ShareItems, encode_share, write_share
-from .saver import AsyncSaveHandle, settle
-from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
-from .staging import StagingPool
+from .saver import AfterWrite, AsyncSaveHandle, Saver, SaveStats
+from .signals import DEAD_AFTER
 from .storage import is_url
 from .transfer import exchange_files
 
@@ -114,12 +115,117 @@ def _claim_run_dir(base: str, name: str, identity: Mapping[str, str]) -> None:
 
 
 @dataclass(frozen=True)
+class LocalPlaces:
+    """What a restore from the local tier needs of it: the places, this rank's among them,
+    the ranks and the copy group (:mod:`shardsafe.local_restore` takes this, not the tier)."""
+
+    comm: Comm
+    host: str  # this rank's host (``node_id``)
+    root: str  # this run's directory of local steps in this rank's place
+    dir: StepDirectory  # ``root`` as a directory of steps
+    place: Place  # (host, root) of this rank
+    places: list[Place]  # every rank's place, by rank
+    ranks_of: dict[Place, list[int]]  # the ranks of each place, lowest (its leader) first
+    leader: bool  # this rank leads its place
+    group: Any  # the tier's own gloo group for copies (None in one process)
+    timeout: float  # how long a rank waits for the others to arrive
+    dead_after: float  # a rank silent this long while others wait for it is dead
+
+
+@dataclass(frozen=True)
 class Drain:
     """Copy a committed local step into the persistent tier instead of saving it twice."""
 
     loc: Location  # the persistent checkpoint to create
     lease_ttl: float
     on_commit: Callable[[], None]  # the coordinator's bookkeeping once it committed
+
+
+class PlaceTarget:
+    """The local tier's :class:`shardsafe.commit.SaveTarget`: each place's leader takes
+    a lease and makes the work directory in its place, and publishes there the manifest the
+    coordinator assembled (no shared storage: the file check is the after-write's, the peers
+    confirm every copy). A place that fails to publish says so; the others have the step."""
+
+    what = "local save"
+
+    def __init__(
+        self, leader: bool, host: str, lease_ttl: float, on_published: Callable[[str], None]
+    ) -> None:
+        self.leader = leader
+        self.host = host
+        self.lease_ttl = lease_ttl
+        self.on_published = on_published  # the leader's retention after each publish
+
+    def begin_places(self, comm: Comm, planned: PlannedSave, overwrite: bool) -> None:
+        """Collective: every other place's leader takes the lease there and makes the work
+        directory (the coordinator did in planning)."""
+        err = None
+        if self.leader and not comm.is_coordinator:
+            planned.lease, err = outcome(
+                lambda: begin(planned.loc, planned.token, overwrite, self.lease_ttl)
+            )
+        if comm.distributed:
+            errors = [r["error"] for r in comm.all_gather({"error": err})]
+            if any(errors):
+                if planned.lease is not None:
+                    abort(planned.loc, planned.token, planned.lease)
+                raise_for(errors, "local save")
+
+    def decide(
+        self,
+        planned: PlannedSave,
+        records: list[dict[str, Any]],
+        overwrite: bool,
+        content_metadata: Mapping[str, Any] | None,
+        block_bytes: int,
+    ) -> dict[str, Any]:
+        """Coordinator: the manifest every place publishes, or the errors."""
+        errors = [r.get("error") for r in records]
+        if any(errors):
+            return {"errors": errors}
+        try:
+            assert planned.coordinator_plan is not None
+            manifest = assemble(
+                planned.coordinator_plan,
+                [r["result"] for r in records],
+                content_metadata,
+                block_bytes,
+            )
+        except Exception as e:
+            return {"errors": [error_record(e)] * len(records)}
+        return {"manifest": json.loads(manifest.dumps()), "total_bytes": manifest.total_bytes}
+
+    def publish(
+        self, comm: Comm, planned: PlannedSave, status: dict[str, Any], overwrite: bool
+    ) -> dict[str, Any]:
+        """Leader: write the manifest beside this place's files and rename the step into place."""
+        if not self.leader:
+            return status
+        loc, token, lease = planned.loc, planned.token, planned.lease
+        if status.get("errors"):
+            abort(loc, token, lease)
+            return status
+        try:
+            manifest = Manifest.from_json(status["manifest"])
+            commit(loc, token, manifest, overwrite=overwrite, lease=lease)
+        except Exception as e:
+            abort(loc, token, lease)
+            raise CheckpointError(
+                f"local step {loc.url} could not be published on {self.host}: {e}; "
+                "the other hosts have it, restore fetches what this host lacks"
+            ) from e
+        if lease is not None:
+            try:
+                lease.release()
+            except Exception as e:  # committed: a leftover lease only expires
+                log.warning("could not release the lease of %s: %s", loc.url, e)
+        self.on_published(loc.name)
+        return status
+
+    def abort(self, comm: Comm, planned: PlannedSave, decided: bool) -> None:
+        if self.leader:  # the coordinator's decision publishes nothing: always safe
+            abort(planned.loc, planned.token, planned.lease)
 
 
 class LocalTier:
@@ -157,13 +263,12 @@ class LocalTier:
         """The ``local_root`` as given: this run's steps are in its directory :attr:`root`."""
         self.host = str(node_id) if node_id is not None else socket.gethostname()
         self.keep_last = keep_last
+        # a damaged local step is of no use to a restore: it does not stay for inspection
+        self.retention = Retention(keep_last, inspect_damaged=False)
         self.timeout = timeout
         self.dead_after = dead_after
         self.lease_ttl = lease_ttl
-        self.files_per_rank = files_per_rank
         self.block_bytes = block_bytes
-        self.verify_after_write = verify_after_write
-        self.direct_io = DirectIO(direct_io)
         comm = self.comm
         report: list[Any] = [self.host, self.base, identity]
         places = comm.all_gather(report) if comm.distributed else [report]
@@ -204,13 +309,21 @@ class LocalTier:
                 timeout=timedelta(seconds=max(60.0, 6 * dead_after)),
                 use_local_synchronization=True,
             )
-        self.plan_cache = PlanCache()
-        self.staging = StagingPool()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-local")
-        self._lock = threading.Lock()
-        self._inflight: AsyncSaveHandle | None = None
-        self._clients: StoreClients | None = None
-        self._active: set[str] = set()
+        self._lock = threading.Lock()  # guards _active
+        self._active: set[str] = set()  # local steps being saved (retention leaves them alone)
+        # the one save pipeline, published in every place, with copies to peers after writing
+        self.saver = Saver(
+            comm,
+            files_per_rank=files_per_rank,
+            block_bytes=block_bytes,
+            timeout=timeout,
+            dead_after=dead_after,
+            lease_ttl=lease_ttl,
+            verify_after_write=verify_after_write,
+            direct_io=direct_io,
+            target=PlaceTarget(self.leader, self.host, lease_ttl, self._retain),
+            after_write=AfterWrite(self._after_write, self._check_copies),
+        )
         err = None
         if self.leader:
             _, err = outcome(lambda: _claim_run_dir(self.base, run_dir, self.identity))
@@ -220,6 +333,23 @@ class LocalTier:
         if any(errors):
             self.close()
             raise_for(errors, f"opening the local tier in {self.base}")
+
+    @property
+    def view(self) -> LocalPlaces:
+        """The places of this tier as a restore sees them."""
+        return LocalPlaces(
+            self.comm,
+            self.host,
+            self.root,
+            self.dir,
+            self.place,
+            self.places,
+            self.ranks_of,
+            self.leader,
+            self.group,
+            self.timeout,
+            self.dead_after,
+        )
 
     # -- saving -----------------------------------------------------------------------------
     def save(
@@ -234,128 +364,42 @@ class LocalTier:
         """Collective: stage ``state`` and return; writing, copying to peers and the commit
         run in the background. The handle completes when every place has the step (and,
         with ``drain``, when its copy in the persistent tier has committed too)."""
-        self.settle()
-        comm = self.comm
-        t0 = time.perf_counter()
-        loc = locate(os.path.join(self.root, name))
-        planned = plan_save(
-            comm,
+        inner = self.saver.async_save(
             state,
-            loc,
-            True,
-            self.plan_cache,
-            content_metadata,
-            self.timeout,
-            self.lease_ttl,
+            os.path.join(self.root, name),
+            overwrite=True,
+            content_metadata=content_metadata,
         )
-        # every other place's leader takes the lease there and makes the work directory
-        lease: Lease | None = planned.lease
-        err = None
-        if self.leader and not comm.is_coordinator:
-            lease, err = outcome(lambda: begin(loc, planned.token, True, self.lease_ttl))
-        if comm.distributed:
-            errors = [r["error"] for r in comm.all_gather({"error": err})]
-            if any(errors):
-                if lease is not None:
-                    abort(loc, planned.token, lease)
-                raise_for(errors, "local save")
-        channel = self._channel(planned, loc, lease)
-        pieces = planned.assignment.pieces
-
-        def stage() -> ShareItems:
-            data = [cast(torch.Tensor, planned.split.tensors[i][1].data) for i in pieces]
-            staged = self.staging.stage(data)
-            share = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=True)
-            share.items[:0] = [(("p", i), s) for i, s in zip(pieces, staged, strict=True)]
-            return share
-
-        share, serr = outcome(stage)
-        blocked = time.perf_counter() - t0
         with self._lock:
             self._active.add(name)
 
-        def background() -> Any:
+        def after() -> SaveStats:
             try:
-                done = self._write_copy_commit(
-                    planned, loc, lease, channel, share, serr, content_metadata, t0
+                stats = inner.result()
+                log.debug(
+                    "rank %d: local step %s committed in %.3f s",
+                    self.comm.rank,
+                    stats.path,
+                    stats.seconds,
                 )
                 if drain is not None:
-                    done["drained"] = self._drain(planned, done, drain)
-                return done
+                    stats.seconds_draining = self._drain(name, stats, drain)
+                return stats
             finally:
                 with self._lock:
                     self._active.discard(name)
                 if on_commit is not None:
                     on_commit()
 
-        with self._lock:
-            handle = AsyncSaveHandle(self._writer.submit(background), loc.url, blocked)
-            self._inflight = handle
-        return handle
+        return self.saver.then(inner, after)
 
-    def _channel(
-        self, planned: PlannedSave, loc: Location, lease: Lease | None
-    ) -> StoreChannel | None:
-        """Start heartbeating for this save (right after planning, before any slow step)."""
-        try:
-            return self._channel_for(planned.token)
-        except BaseException:
-            if lease is not None:
-                abort(loc, planned.token, lease)
-            raise
-
-    def _write_copy_commit(
-        self,
-        planned: PlannedSave,
-        loc: Location,
-        lease: Lease | None,
-        channel: StoreChannel | None,
-        share: ShareItems | None,
-        err: dict[str, Any] | None,
-        content_metadata: Mapping[str, Any] | None,
-        t0: float,
-    ) -> Any:
-        comm = self.comm
-        result: dict[str, Any] | None = None
-        if err is None:
-            assert share is not None
-            result, err = outcome(
-                lambda: write_share(
-                    planned,
-                    comm.rank,
-                    share,
-                    self.files_per_rank,
-                    self.block_bytes,
-                    verify_after_write=self.verify_after_write,
-                    direct_io=self.direct_io,
-                )
-            )
-        # every rank takes part in the copying, even after a failure of its own: peers wait for it
-        received, cerr = self._copy_to_peers(planned, loc, result)
-        record = {"result": result, "error": err or cerr, "received": received}
-        status = self._commit(planned, loc, lease, channel, record, content_metadata)
-        raise_for(status.get("errors") or [], "local save")
-        total = int(status.get("total_bytes", 0))
-        log.debug(
-            "rank %d: local step %s committed in %.3f s",
-            comm.rank,
-            loc.url,
-            time.perf_counter() - t0,
-        )
-        return {
-            "total_bytes": total,
-            "seconds": time.perf_counter() - t0,
-            "files": sorted((result or {}).get("files", {})),
-            "manifest": status["manifest"],
-        }
-
-    def _drain(self, planned: PlannedSave, done: dict[str, Any], drain: Drain) -> float:
+    def _drain(self, step: str, done: SaveStats, drain: Drain) -> float:
         """Copy every rank's own files of the committed local step into a new persistent
         checkpoint and commit it with the same manifest (same leases, channel and checks as
         any save); returns the seconds it took."""
         comm = self.comm
         t0 = time.perf_counter()
-        token = uuid.uuid4().hex[:16] if not comm.distributed else planned.token[:12] + "dr"
+        token = uuid.uuid4().hex[:16] if not comm.distributed else done.token[:12] + "dr"
         ploc = drain.loc
         parent = ploc.parent
         work = work_dir(ploc, token)
@@ -370,80 +414,56 @@ class LocalTier:
             lease, err = outcome(lambda: begin(ploc, token, True, drain.lease_ttl))
             return {"errors": [err] * comm.world_size} if err else {}
 
-        status = self._round(token + "b", None, take_lease)
+        status = self.saver.round(token + "b", None, take_lease)
         raise_for(status.get("errors") or [], "drain to the persistent tier")
         source = self.dir.storage
-        name = planned.loc.name
 
         def copy_mine() -> dict[str, int]:
             sizes = {}
-            for f in done["files"]:
-                sizes[target(f)] = _copy_file(source, f"{name}/{f}", parent, f"{work}/{target(f)}")
+            for f in done.files:
+                sizes[target(f)] = _copy_file(source, f"{step}/{f}", parent, f"{work}/{target(f)}")
             return sizes
 
         copied, err = outcome(copy_mine)
 
         def publish(records: list[dict[str, Any]]) -> dict[str, Any]:
             errors = [r.get("error") for r in records]
-            try:
-                if any(errors):
-                    abort(ploc, token, lease)
-                    return {"errors": errors}
-                manifest = _renamed(Manifest.from_json(done["manifest"]), target)
-                check_files(ploc, token, manifest)
-                commit(ploc, token, manifest, overwrite=True, lease=lease)
-                if lease is not None:
-                    lease.release()
-                drain.on_commit()
-                return {}
-            except Exception as e:
+            if any(errors):
                 with contextlib.suppress(Exception):
                     abort(ploc, token, lease)
-                return {"errors": [error_record(e)] * comm.world_size}
+                return {"errors": errors}
+            assert done.manifest is not None
+            published = publish_manifest(
+                ploc, token, lease, _renamed(done.manifest, target), True, comm.world_size
+            )
+            if published.get("errors"):
+                return published
+            _, err = outcome(drain.on_commit)
+            return {"errors": [err] * comm.world_size} if err else {}
 
-        status = self._round(token + "c", {"error": err, "files": copied}, publish)
+        status = self.saver.round(token + "c", {"error": err, "files": copied}, publish)
         raise_for(status.get("errors") or [], "drain to the persistent tier")
         return time.perf_counter() - t0
 
-    def _round(
-        self,
-        token: str,
-        record: dict[str, Any] | None,
-        decide: Callable[[list[dict[str, Any]]], dict[str, Any]],
-    ) -> dict[str, Any]:
-        """One exchange through the store: every rank posts ``record`` (unless None), the
-        coordinator runs ``decide`` on all of them and every rank returns its status."""
-        channel = self._channel_for(token)
-        if channel is None:
-            return decide([record] if record is not None else [])
-        try:
-            if record is not None:
-                channel.post(record)
-            if not self.comm.is_coordinator:
-                return channel.await_status()
-            try:
-                records = channel.collect() if record is not None else []
-            except Exception as e:  # a dead rank: everyone learns it from the status
-                records = [{"error": error_record(e)}] * self.comm.world_size
-            status = decide(records)
-            channel.publish(status)
-            return status
-        finally:
-            channel.cleanup()
+    def _after_write(
+        self, planned: PlannedSave, result: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The after-write step: every rank takes part in the copying, even after a failure
+        of its own (its peers wait for it)."""
+        received, err = self._copy_to_peers(planned, planned.loc, result)
+        return {"received": received}, err
 
-    def _channel_for(self, token: str) -> StoreChannel | None:
-        if not self.comm.distributed:
-            return None
-        if self._clients is None:
-            self._clients = connect()
-        return StoreChannel(
-            self.comm,
-            token,
-            self._clients,
-            dead_after=self.dead_after,
-            log_every=3 * self.dead_after,
-            start_within=min(self.timeout, max(60.0, 6 * self.dead_after)),
-        )
+    def _check_copies(self, records: list[dict[str, Any]]) -> None:
+        """Coordinator: every file reached every peer of its writer."""
+        for rank, r in enumerate(records):
+            for peer in self.peers[rank]:
+                got = records[peer].get("received") or {}
+                for name, size in r["result"]["files"].items():
+                    if got.get(name) != size:
+                        raise CheckpointError(
+                            f"rank {peer} ({self.places[peer][0]}) did not confirm its copy of "
+                            f"{name} from rank {rank}"
+                        )
 
     def _copy_to_peers(
         self, planned: PlannedSave, loc: Location, result: dict[str, Any] | None
@@ -583,130 +603,28 @@ class LocalTier:
             cast(Any, op).wait()
         return {s: bytes(b.numpy()) for s, b in bufs.items()}
 
-    def _commit(
-        self,
-        planned: PlannedSave,
-        loc: Location,
-        lease: Lease | None,
-        channel: StoreChannel | None,
-        record: dict[str, Any],
-        content_metadata: Mapping[str, Any] | None,
-    ) -> dict[str, Any]:
-        """The coordinator assembles the manifest from every record and publishes it; each
-        place's leader then writes it beside its files and renames the step into place."""
-        comm = self.comm
-        if channel is None:
-            records = [record]
-            status = self._decide(planned, records, content_metadata)
-        else:
-            try:
-                channel.post(record)
-                if comm.is_coordinator:
-                    try:
-                        records = channel.collect()
-                    except BaseException as e:
-                        records = [{"error": error_record(e)}]
-                    status = self._decide(planned, records, content_metadata)
-                    channel.publish(status)
-                else:
-                    status = channel.await_status()
-            except BaseException:
-                if self.leader:
-                    abort(loc, planned.token, lease)
-                raise
-            finally:
-                channel.cleanup()
-        if not self.leader:
-            return status
-        if status.get("errors"):
-            abort(loc, planned.token, lease)
-            return status
-        try:
-            manifest = Manifest.from_json(status["manifest"])
-            commit(loc, planned.token, manifest, overwrite=True, lease=lease)
-        except Exception as e:
-            abort(loc, planned.token, lease)
-            raise CheckpointError(
-                f"local step {loc.url} could not be published on {self.host}: {e}; "
-                "the other hosts have it, restore fetches what this host lacks"
-            ) from e
-        if lease is not None:
-            try:
-                lease.release()
-            except Exception as e:  # committed: a leftover lease only expires
-                log.warning("could not release the lease of %s: %s", loc.url, e)
-        self._retain(loc.name)
-        return status
-
-    def _decide(
-        self,
-        planned: PlannedSave,
-        records: list[dict[str, Any]],
-        content_metadata: Mapping[str, Any] | None,
-    ) -> dict[str, Any]:
-        errors = [r.get("error") for r in records]
-        if any(errors):
-            return {"errors": errors}
-        try:
-            assert planned.coordinator_plan is not None
-            manifest = assemble(
-                planned.coordinator_plan,
-                [r["result"] for r in records],
-                content_metadata,
-                self.block_bytes,
-            )
-            for rank, r in enumerate(records):  # every file reached every peer of its writer
-                for peer in self.peers[rank]:
-                    got = records[peer].get("received") or {}
-                    for name, size in r["result"]["files"].items():
-                        if got.get(name) != size:
-                            raise CheckpointError(
-                                f"rank {peer} ({self.places[peer][0]}) did not confirm its copy of "
-                                f"{name} from rank {rank}"
-                            )
-        except Exception as e:
-            return {"errors": [error_record(e)] * len(records)}
-        return {"manifest": json.loads(manifest.dumps()), "total_bytes": manifest.total_bytes}
-
     def _retain(self, latest: str) -> None:
         """Leader: point ``latest`` at the new step and keep the newest ``keep_last`` intact ones."""
-        try:
-            self.dir.write_pointer(latest)
-            self.dir.unmark(latest)
-            damaged = self.dir.damaged()
-            committed = self.dir.committed()
-            intact = [n for n in committed if n not in damaged]
-            keep = {latest, *intact[-self.keep_last :]}
-            for name in committed:
-                if name not in keep:
-                    self.dir.remove(name)
+
+        def active() -> set[str]:
             with self._lock:
-                active = set(self._active) - {latest}
-            self.dir.clean(active)
+                return set(self._active)
+
+        try:
+            retain(self.dir, latest, lambda c: self.retention.doomed(self.dir, c, latest), active)
         except Exception as e:
             log.warning("local tier %s: retention failed: %s", self.root, e)
 
     def settle(self) -> None:
         """Wait for the local save in flight; its failure stays on its handle (and in the log)."""
-        with self._lock:
-            handle, self._inflight = self._inflight, None
-        settle(handle, "the local save")
+        self.saver.settle("the local save")
 
     def wait(self) -> None:
         """Wait for the local save in flight; raise its error unless already seen."""
-        with self._lock:
-            handle, self._inflight = self._inflight, None
-        if handle is not None and not handle.observed:
-            handle.result()
+        self.saver.wait()
 
     def close(self) -> None:
-        try:
-            self.settle()
-        finally:
-            self._writer.shutdown(wait=True)
-            self.staging.release()
-            self.direct_io.close()
-            self._clients = None
+        self.saver.close()
 
     # -- restoring --------------------------------------------------------------------------
     def mark_damaged(self, name: str, reason: str) -> None:

@@ -44,6 +44,7 @@ from .lease import LEASE_SECONDS
 from .loading import StrictHandling, load
 from .local_tier import Drain, LocalTier
 from .location import locate
+from .retention import Retention, retain
 from .saver import AsyncSaveHandle, Saver, SaveStats
 from .sharding import (
     CoordinatorObject,
@@ -341,35 +342,17 @@ class CheckpointManager:
         """Coordinator: point ``latest`` at the new checkpoint, apply retention, clean leftovers."""
         if not get_comm(self.process_group).is_coordinator:
             return
-        with self._maintenance:
-            self._dir.write_pointer(name)
-            self._dir.unmark(name)
-            committed = self._dir.committed()
-            for doomed in self._doomed(committed, name):
-                try:
-                    self._dir.remove(doomed)
-                    log.info("retention: deleted %s", self._dir.path(doomed))
-                except Exception as e:
-                    log.warning("retention: could not delete %s: %s", self._dir.path(doomed), e)
+
+        def active() -> set[str]:
             with self._lock:
-                active = set(self._active) - {name}
-            self._dir.clean(active)
+                return set(self._active)
+
+        with self._maintenance:
+            retain(self._dir, name, lambda committed: self._doomed(committed, name), active)
 
     def _doomed(self, committed: list[str], latest: str) -> list[str]:
         """The committed names retention deletes now that ``latest`` has committed."""
-        if self.keep_last is None:
-            return []
-        # keep_last counts intact checkpoints: a damaged one never pushes out a good one, and
-        # stays (for inspection) only while it is newer than the oldest one kept
-        damaged = self._dir.damaged()
-        intact = [n for n in committed if n not in damaged]
-        keep = {latest, *intact[-self.keep_last :]}
-        oldest = min(self._dir.order(n) for n in keep)
-        keep |= {n for n in committed if n in damaged and self._dir.order(n) > oldest}
-        if self.keep_every is not None:
-            every = self.keep_every
-            keep |= {n for n in committed if (parse_step(n) or 0) % every == 0}
-        return [n for n in committed if n not in keep]
+        return Retention(self.keep_last, self.keep_every).doomed(self._dir, committed, latest)
 
     # -- restoring --------------------------------------------------------------------------
     def restore(
@@ -450,7 +433,8 @@ class CheckpointManager:
         local = self._local
         assert local is not None
         self._settle()
-        inv = local_restore.inventory(local)
+        local.settle()
+        inv = local_restore.inventory(local.view)
         steps: list[str] = inv["steps"]
         if step is not None:
             steps = [n for n in steps if n == step_name(step)]
@@ -465,7 +449,7 @@ class CheckpointManager:
             steps = [n for n in steps if floor is None or (parse_step(n) or 0) >= floor]
         for index, name in enumerate(steps):
             try:
-                result = local_restore.restore(local, name, inv, state, load_into)
+                result = local_restore.restore(local.view, name, inv, state, load_into)
             except CheckpointError as e:
                 if not fallback or not is_damaged_checkpoint(e):
                     raise  # only proven damage moves on (an unreadable file is no proof)

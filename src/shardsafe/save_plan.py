@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -77,10 +77,15 @@ def object_desc(obj: ShardedObject) -> ObjectDesc:
 def prepare(sharded_state_dict: Any, rank: int) -> tuple[SplitStateDict, LocalPlan]:
     """Apply factories, split off common state, describe this rank's pieces.
 
-    Plain tensor leaves are replicas of one whole tensor: rank 0's is the main one.
+    Plain tensor leaves are replicas of one whole tensor: rank 0's is the main one. A
+    :class:`SplitStateDict` is a state its caller took apart already (a converter's tensors
+    and common state) and is planned as it is.
     """
-    resolved, _ = resolve_stateful(sharded_state_dict)  # Stateful objects: their state_dict()
-    split = split_state_dict(apply_factories(adapt(resolved)))
+    if isinstance(sharded_state_dict, SplitStateDict):
+        split = sharded_state_dict
+    else:
+        resolved, _ = resolve_stateful(sharded_state_dict)  # Stateful objects: their state_dict()
+        split = split_state_dict(apply_factories(adapt(resolved)))
     for i in split.replicated:
         path, st = split.tensors[i]
         split.tensors[i] = (path, replace(st, replica_id=rank))
@@ -236,79 +241,69 @@ def plan_save(
     lease: Lease | None = None
     if comm.is_coordinator and err is None:
         lease, err = outcome(lambda: begin(loc, token, overwrite, lease_ttl))
-    try:
+
+    def agree() -> PlannedSave:
         comm.arrive("save planning", timeout, dead_after)
-    except BaseException:
-        if lease is not None:
-            abort(loc, token, lease)
-        raise
-    votes = _or_abort(
-        lease,
-        loc,
-        token,
-        lambda: comm.all_gather(
+        votes = comm.all_gather(
             {
                 "cached": candidate,
                 "error": err,
                 "token": token if comm.is_coordinator else None,
                 "digest": combined(digests),
             }
-        ),
-    )
-    errors = [v["error"] for v in votes]
-    if not any(errors) and len({v["digest"] for v in votes}) > 1:
-        every = _or_abort(lease, loc, token, lambda: comm.all_gather(digests))
-        errors = [error_record(ValidationError(divergence(every) or "state differs"))] * len(votes)
-    if any(errors):
-        if lease is not None:
-            abort(loc, token, lease)
+        )
+        errors = [v["error"] for v in votes]
+        if not any(errors) and len({v["digest"] for v in votes}) > 1:
+            every = comm.all_gather(digests)
+            errors = [error_record(ValidationError(divergence(every) or "state differs"))] * len(
+                votes
+            )
         raise_for(errors, "save planning")
-    token = votes[0]["token"]
-    assert prepared is not None
-    split, local_plan = prepared
-    if candidate is not None and all(v["cached"] == candidate for v in votes):
-        assert cache is not None and cache.entry is not None
-        cache.hits += 1
+        agreed = votes[0]["token"]
+        assert prepared is not None
+        split, local_plan = prepared
+        if candidate is not None and all(v["cached"] == candidate for v in votes):
+            assert cache is not None and cache.entry is not None
+            cache.hits += 1
+            return PlannedSave(
+                loc,
+                agreed,
+                split,
+                local_plan,
+                cache.entry.assignment,
+                cache.entry.coordinator_plan,
+                True,
+                lease,
+            )
+
+        gathered = comm.gather(local_plan.to_json())
+        replies: list[Any] | None = None
+        coordinator_plan: CoordinatorPlan | None = None
+        if gathered is not None:
+            try:
+                plans = [LocalPlan.from_json(g) for g in gathered]
+                plan = make_global_plan(plans)
+                coordinator_plan = (plans, plan)
+                replies = [
+                    {"assignment": plan.assignments[r].to_json(), "plan_id": agreed}
+                    for r in range(len(plans))
+                ]
+            except Exception as e:
+                replies = [{"errors": [error_record(e)] * len(gathered)}] * len(gathered)
+        reply = comm.scatter(replies)
+        raise_for(reply.get("errors") or [], "save planning")
+        assignment = RankAssignment.from_json(reply["assignment"])
+        if cache is not None and structure is not None:
+            cache.misses += 1
+            cache.entry = _CacheEntry(structure, reply["plan_id"], assignment, coordinator_plan)
         return PlannedSave(
-            loc,
-            token,
-            split,
-            local_plan,
-            cache.entry.assignment,
-            cache.entry.coordinator_plan,
-            True,
-            lease,
+            loc, agreed, split, local_plan, assignment, coordinator_plan, False, lease
         )
 
-    gathered = _or_abort(lease, loc, token, lambda: comm.gather(local_plan.to_json()))
-    replies: list[Any] | None = None
-    coordinator_plan: CoordinatorPlan | None = None
-    if gathered is not None:
-        try:
-            plans = [LocalPlan.from_json(g) for g in gathered]
-            plan = make_global_plan(plans)
-            coordinator_plan = (plans, plan)
-            replies = [
-                {"assignment": plan.assignments[r].to_json(), "plan_id": token}
-                for r in range(len(plans))
-            ]
-        except Exception as e:
-            abort(loc, token, lease)
-            replies = [{"errors": [error_record(e)] * len(gathered)}] * len(gathered)
-    reply = _or_abort(lease, loc, token, lambda: comm.scatter(replies))
-    raise_for(reply.get("errors") or [], "save planning")
-    assignment = RankAssignment.from_json(reply["assignment"])
-    if cache is not None and structure is not None:
-        cache.misses += 1
-        cache.entry = _CacheEntry(structure, reply["plan_id"], assignment, coordinator_plan)
-    return PlannedSave(loc, token, split, local_plan, assignment, coordinator_plan, False, lease)
-
-
-def _or_abort(lease: Lease | None, loc: Location, token: str, fn: Callable[[], T]) -> T:
-    """A collective of planning; if it fails (a peer died), the coordinator drops its lease."""
     try:
-        return fn()
+        return agree()
     except BaseException:
+        # a rank died, or planning failed anywhere: the coordinator drops its lease and work dir
         if lease is not None:
             abort(loc, token, lease)
         raise

@@ -4,25 +4,29 @@
 common state); :func:`write_share` lays its items out in ``files_per_rank`` data files,
 written in parallel, with per-block checksums, optionally read back and compared
 (``verify_after_write``). An async save under a staging budget writes in :func:`waves`
-whose records :func:`merge_results` joins into one.
+whose records :func:`merge_results` joins into one. A :class:`StreamedTensor` is read only
+when the writer reaches it (:class:`Deferred`), so a converter holds one tensor at a time.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .codec import encode
+import torch
+
+from .codec import encode, tensor_bytes
 from .directio import DirectIO
 from .engine import DEFAULT_MAX_BUFFER, split_balanced, verify_written, write_data_file
 from .errors import CorruptCheckpointError
 from .format import Extent
 from .save_plan import PlannedSave
 from .save_target import check_work_dir, file_name, work_dir
+from .sharding import ShardedTensor
 from .storage import Storage
 
 log = logging.getLogger("shardsafe")
@@ -35,6 +39,52 @@ class ShareItems:
     items: list[tuple[Any, Any]]
     objects: dict[int, Any]
     common: Any
+
+
+@dataclass
+class StreamedTensor(ShardedTensor):
+    """A whole tensor whose bytes ``read()`` gives only when the writer reaches it: a
+    converter streams a model through :meth:`shardsafe.saver.Saver.save` one tensor at a
+    time. ``data`` is a meta tensor of its shape and dtype (planning needs no more)."""
+
+    read: Callable[[], torch.Tensor] | None = None
+
+    @classmethod
+    def whole(
+        cls, key: str, shape: Sequence[int], dtype: torch.dtype, read: Callable[[], torch.Tensor]
+    ) -> StreamedTensor:
+        dims = tuple(int(s) for s in shape)
+        meta = torch.empty(dims, dtype=dtype, device="meta")
+        return cls(key, meta, dtype, dims, dims, (0,) * len(dims), read=read)
+
+    def item(self) -> Deferred:
+        """The write item of this tensor: read and checked against its description when written."""
+
+        def read() -> Any:
+            assert self.read is not None
+            t = self.read()
+            if tuple(t.shape) != self.local_shape or t.dtype != self.dtype:
+                raise CorruptCheckpointError(
+                    f"{self.key!r}: data is {tuple(t.shape)} {t.dtype} but it was described as "
+                    f"{self.local_shape} {self.dtype}; nothing was committed"
+                )
+            return tensor_bytes(t.detach().cpu())
+
+        return Deferred(self.numel * self.dtype.itemsize, read)
+
+
+@dataclass
+class Deferred:
+    """An item whose bytes are produced by ``read()`` when the writer reaches it."""
+
+    nbytes: int
+    read: Callable[[], Any]
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def ready(self) -> Any:
+        return self.read()
 
 
 def encode_share(
@@ -93,11 +143,18 @@ def write_share(
 
     def one(index: int, group: Sequence[int]) -> tuple[str, dict[Any, Extent], int]:
         name = file_name(planned.loc, planned.token, rank, first_file + index)
-        resolved = [(items[i][0], _resolve(items[i][1])) for i in group]
+
+        def resolve() -> Iterator[tuple[Any, Any]]:
+            return ((items[i][0], _resolve(items[i][1])) for i in group)
+
+        # deferred items stream (one in memory at a time); the rest are at hand already
+        streamed = any(isinstance(items[i][1], Deferred) for i in group)
+        resolved: Iterable[tuple[Any, Any]] = resolve() if streamed else list(resolve())
         storage, rel = planned.loc.parent, f"{work}/{name}"
         ext, size = write_data_file(storage, rel, resolved, block_bytes, on_bytes, direct_io)
         if verify_after_write:
-            ext, size = _verified(storage, rel, resolved, block_bytes, ext, size, rank, direct_io)
+            again = resolve() if streamed else resolved
+            ext, size = _verified(storage, rel, again, block_bytes, ext, size, rank, direct_io)
         return (
             name,
             {k: Extent(name, e.byte_offset, e.nbytes, e.checksums) for k, e in ext.items()},
@@ -126,7 +183,7 @@ def write_share(
 def _verified(
     storage: Storage,
     rel: str,
-    items: list[tuple[Any, Any]],
+    items: Iterable[tuple[Any, Any]],
     block_bytes: int,
     ext: dict[Any, Extent],
     size: int,

@@ -16,6 +16,13 @@ Both kinds of save commit through the same protocol (:meth:`Saver._commit`, with
 channel of :mod:`shardsafe.signals`): every rank posts its write record and heartbeats until
 the coordinator posts the outcome; a dead rank is named on every rank within ``dead_after``
 seconds, a slow one is waited for.
+
+Two seams make the one pipeline serve both tiers. The *target*
+(:class:`shardsafe.commit.SaveTarget`) says where and how a save is published: the
+persistent tier's shared location by default, or node-local places whose leaders publish
+(the local tier). The *after-write* step (:class:`AfterWrite`) runs on every rank once it
+wrote its share (the local tier sends copies to peers there) and adds to the record the
+coordinator checks before the target decides.
 """
 
 from __future__ import annotations
@@ -34,16 +41,23 @@ import torch
 
 from .checksum import DEFAULT_BLOCK_BYTES
 from .codec import tensor_bytes
-from .commit import finalize
+from .commit import SaveTarget, SharedTarget
 from .directio import DirectIO
-from .dist import Comm, get_comm, outcome, raise_for
+from .dist import Comm, error_record, get_comm, outcome, raise_for
 from .errors import ValidationError, call_each
+from .format import Manifest
 from .lease import LEASE_SECONDS
 from .location import locate
 from .save_plan import PlanCache, PlannedSave, plan_save
 from .save_plan import prepare as split_pieces
-from .save_target import abort
-from .save_write import ShareItems, encode_share, merge_results, waves, write_share
+from .save_write import (
+    ShareItems,
+    StreamedTensor,
+    encode_share,
+    merge_results,
+    waves,
+    write_share,
+)
 from .sharding import ShardedTensor
 from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
 from .staging import StagingPool, staged_bytes
@@ -67,6 +81,9 @@ class SaveStats:
     seconds_writing: float = 0.0
     plan_cached: bool = False
     files: list[str] = field(default_factory=list)
+    token: str = ""  # the save's id, the same on every rank
+    manifest: Manifest | None = None  # where the outcome carries it (a local-tier save's)
+    seconds_draining: float = 0.0  # a local step's copy into the persistent tier
 
 
 class AsyncSaveHandle:
@@ -112,6 +129,21 @@ class AsyncSaveHandle:
         self._future.add_done_callback(call)
 
 
+@dataclass(frozen=True)
+class AfterWrite:
+    """What a save does after each rank wrote its share, before the commit.
+
+    ``run(planned, result)`` runs on every rank, even after its own write failed (peers may
+    wait for it), and returns fields to add to its write record and an error record or None.
+    ``check(records)`` runs on the coordinator over every rank's record when none failed, and
+    raises what fails the save."""
+
+    run: Callable[
+        [PlannedSave, dict[str, Any] | None], tuple[dict[str, Any], dict[str, Any] | None]
+    ]
+    check: Callable[[list[dict[str, Any]]], None]
+
+
 def settle(handle: AsyncSaveHandle | None, what: str) -> None:
     """Wait for ``handle``; a failure nobody has seen through it is logged, and stays on it."""
     if handle is None:
@@ -137,7 +169,14 @@ class Saver:
         lease_ttl: float = LEASE_SECONDS,
         verify_after_write: bool = False,
         direct_io: str | None = None,
+        target: SaveTarget | None = None,
+        after_write: AfterWrite | None = None,
     ) -> None:
+        # where and how a save is published (the persistent tier's shared location by default)
+        self.target: SaveTarget = target if target is not None else SharedTarget()
+        # what runs after each rank wrote its share (the local tier's copies to peers)
+        self.after_write = after_write
+        # a process group, or a Comm (``Comm()``: this process alone, even in a distributed job)
         self.process_group = process_group
         # when data files bypass the page cache: "auto", "always" or "never"; None reads
         # SHARDSAFE_DIRECT_IO now. Holds the bounce buffers of direct writes until close().
@@ -161,6 +200,11 @@ class Saver:
         self._inflight: AsyncSaveHandle | None = None
         self._lock = threading.Lock()
         self._clients: StoreClients | None = None  # connections of the commit protocol
+
+    def comm(self) -> Comm:
+        """The ranks that save together."""
+        pg = self.process_group
+        return pg if isinstance(pg, Comm) else get_comm(pg)
 
     # -- ahead of the first save -------------------------------------------------------------
     def prepare(
@@ -193,7 +237,7 @@ class Saver:
 
     def _pinned_need(self, sharded_state_dict: Any) -> int:
         """Pinned arena bytes a save of this state stages at once (its largest wave)."""
-        comm = get_comm(self.process_group)
+        comm = self.comm()
         split, local = split_pieces(sharded_state_dict, comm.rank)
         pieces: Sequence[int] = range(len(split.tensors))
         entry = self.plan_cache.entry if self.plan_cache is not None else None
@@ -224,10 +268,7 @@ class Saver:
         comm, planned, t0, t_plan = self._plan(
             sharded_state_dict, path, overwrite, content_metadata
         )
-        if any(
-            _data(planned.split.tensors[i][1]).device.type != "cpu"
-            for i in planned.assignment.pieces
-        ):
+        if not all(_on_host(planned.split.tensors[i][1]) for i in planned.assignment.pieces):
             handle = self._stage_and_submit(
                 comm, planned, t0, t_plan, overwrite, content_metadata, progress
             )
@@ -238,7 +279,7 @@ class Saver:
         def share() -> ShareItems:
             s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=False)
             s.items[:0] = [
-                (("p", i), tensor_bytes(_data(planned.split.tensors[i][1])))
+                (("p", i), _host_item(planned.split.tensors[i][1]))
                 for i in planned.assignment.pieces
             ]
             return s
@@ -258,9 +299,9 @@ class Saver:
             )
         )
         t_write = time.perf_counter() - t1
-        record = {"result": result, "error": err}
+        record = self._record(planned, result, err)
         status = self._commit(comm, channel, planned, record, overwrite, content_metadata)
-        raise_for(status.get("errors") or [], "save")
+        raise_for(status.get("errors") or [], self.target.what)
         stats = _stats(planned, result, status, t0, t_plan, t_write)
         stats.seconds_blocked = stats.seconds
         _log_done(comm, stats, progress)
@@ -304,7 +345,7 @@ class Saver:
         early: list[dict[str, Any]] = []  # records of the waves written before returning
 
         def stage(pieces: list[int]) -> list[tuple[Any, Any]]:
-            staged = self.staging.stage([_data(planned.split.tensors[i][1]) for i in pieces])
+            staged = self.staging.stage([_to_stage(planned.split.tensors[i][1]) for i in pieces])
             return [(("p", i), item) for i, item in zip(pieces, staged, strict=True)]
 
         def stage_all() -> ShareItems:
@@ -372,9 +413,9 @@ class Saver:
                 )
             )
             t_write = time.perf_counter() - t1
-            record = {"result": result, "error": werr}
+            record = self._record(planned, result, werr)
             status = self._commit(comm, channel, planned, record, overwrite, content_metadata)
-            raise_for(status.get("errors") or [], "async save")
+            raise_for(status.get("errors") or [], f"async {self.target.what}")
             stats = _stats(planned, result, status, t0, t_plan, t_write)
             stats.seconds_blocked = blocked
             _log_done(comm, stats, progress)
@@ -394,7 +435,7 @@ class Saver:
     ) -> tuple[Comm, PlannedSave, float, float]:
         """Wait for the save in flight, then plan this one: (comm, plan, start time, planning s)."""
         self._settle_previous()
-        comm = get_comm(self.process_group)
+        comm = self.comm()
         t0 = time.perf_counter()
         planned = plan_save(
             comm,
@@ -407,7 +448,33 @@ class Saver:
             self.lease_ttl,
             self.dead_after,
         )
+        self.target.begin_places(comm, planned, overwrite)
         return comm, planned, t0, time.perf_counter() - t0
+
+    def _record(
+        self, planned: PlannedSave, result: dict[str, Any] | None, err: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """This rank's write record, with what the after-write step adds."""
+        record: dict[str, Any] = {"result": result, "error": err}
+        if self.after_write is not None:
+            extra, aerr = self.after_write.run(planned, result)
+            record.update(extra)
+            record["error"] = err or aerr
+        return record
+
+    def _decide(
+        self,
+        planned: PlannedSave,
+        records: list[dict[str, Any]],
+        overwrite: bool,
+        content_metadata: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        """Coordinator: the after-write check, then the target's decision."""
+        if self.after_write is not None and not any(r.get("error") for r in records):
+            _, err = outcome(lambda: cast(AfterWrite, self.after_write).check(records))
+            if err is not None:
+                records = [{**r, "error": err} for r in records]
+        return self.target.decide(planned, records, overwrite, content_metadata, self.block_bytes)
 
     def _commit(
         self,
@@ -419,51 +486,97 @@ class Saver:
         content_metadata: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
         """The one commit of blocking and async saves: post this rank's record; the coordinator
-        collects every record (naming ranks that stop heartbeating), commits or cleans up,
-        and publishes the outcome that every rank returns."""
+        collects every record (naming ranks that stop heartbeating) and decides, through the
+        target, the outcome that every rank gets; then each rank's target publishes."""
         if channel is None:
-            return finalize(planned, [record], overwrite, content_metadata, self.block_bytes)
+            status = self._decide(planned, [record], overwrite, content_metadata)
+            return self.target.publish(comm, planned, status, overwrite)
+        decided = False
         try:
             channel.post(record)
             if comm.is_coordinator:
-                try:
-                    records = channel.collect()
-                except BaseException:
-                    abort(planned.loc, planned.token, planned.lease)
-                    raise
-                status = finalize(planned, records, overwrite, content_metadata, self.block_bytes)
+                records = channel.collect()
+                decided = True
+                status = self._decide(planned, records, overwrite, content_metadata)
                 channel.publish(status)
             else:
                 status = channel.await_status()
+        except BaseException:
+            self.target.abort(comm, planned, decided)
+            raise
         finally:
             channel.cleanup()
-        return status
+        return self.target.publish(comm, planned, status, overwrite)
 
     def _channel(self, comm: Comm, planned: PlannedSave) -> StoreChannel | None:
         """Start heartbeating for this save (right after planning, before any slow step)."""
+        try:
+            return self._open_channel(comm, planned.token)
+        except BaseException:
+            self.target.abort(comm, planned, False)
+            raise
+
+    def _open_channel(self, comm: Comm, token: str) -> StoreChannel | None:
         if not comm.distributed:
             return None
+        if self._clients is None:
+            self._clients = connect()
+        return StoreChannel(
+            comm,
+            token,
+            self._clients,
+            dead_after=self.dead_after,
+            log_every=3 * self.dead_after,
+            start_within=min(self.timeout, max(60.0, 6 * self.dead_after)),
+        )
+
+    def round(
+        self,
+        token: str,
+        record: dict[str, Any] | None,
+        decide: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """One exchange through the store, as a commit's (no collective: it may run in the
+        background while the training runs its own): every rank posts ``record`` (unless
+        None), the coordinator runs ``decide`` on all of them (a dead rank's is an error
+        record) and every rank returns the status it published."""
+        comm = self.comm()
+        channel = self._open_channel(comm, token)
+        if channel is None:
+            return decide([record] if record is not None else [])
         try:
-            if self._clients is None:
-                self._clients = connect()
-            return StoreChannel(
-                comm,
-                planned.token,
-                self._clients,
-                dead_after=self.dead_after,
-                log_every=3 * self.dead_after,
-                start_within=min(self.timeout, max(60.0, 6 * self.dead_after)),
-            )
-        except BaseException:
-            if comm.is_coordinator:
-                abort(planned.loc, planned.token, planned.lease)
-            raise
+            if record is not None:
+                channel.post(record)
+            if not comm.is_coordinator:
+                return channel.await_status()
+            try:
+                records = channel.collect() if record is not None else []
+            except Exception as e:  # a dead rank: everyone learns it from the status
+                records = [{"error": error_record(e)}] * comm.world_size
+            status = decide(records)
+            channel.publish(status)
+            return status
+        finally:
+            channel.cleanup()
+
+    def then(self, handle: AsyncSaveHandle, fn: Callable[[], SaveStats]) -> AsyncSaveHandle:
+        """Run ``fn`` in the writer thread right after the save of ``handle`` (before any later
+        save's background work); the returned handle, now the one in flight, completes with
+        it. ``fn`` typically starts with ``handle.result()``."""
+        with self._lock:
+            chained = AsyncSaveHandle(self._writer.submit(fn), handle.path, handle.seconds_blocked)
+            self._inflight = chained
+        return chained
 
     def _settle_previous(self) -> None:
         """Wait for the save in flight; its failure stays on its handle (and in the log)."""
+        self.settle("the previous async save")
+
+    def settle(self, what: str = "the async save") -> None:
+        """Wait for the save in flight; its failure stays on its handle (and in the log)."""
         with self._lock:
             handle, self._inflight = self._inflight, None
-        settle(handle, "the previous async save")
+        settle(handle, what)
 
     def wait(self, timeout: float | None = None) -> SaveStats | None:
         """Wait for the save in flight, if any; returns its stats, raising an error nobody has seen yet."""
@@ -502,6 +615,23 @@ def _data(st: ShardedTensor) -> torch.Tensor:
     return st.data
 
 
+def _to_stage(st: ShardedTensor) -> torch.Tensor:
+    if isinstance(st, StreamedTensor):
+        raise ValidationError(
+            f"{st.key!r}: a streamed tensor is read when written; only Saver.save writes one"
+        )
+    return _data(st)
+
+
+def _on_host(st: ShardedTensor) -> bool:
+    """Written straight from where it is: CPU memory, or read from its source when written."""
+    return isinstance(st, StreamedTensor) or _data(st).device.type == "cpu"
+
+
+def _host_item(st: ShardedTensor) -> Any:
+    return st.item() if isinstance(st, StreamedTensor) else tensor_bytes(_data(st))
+
+
 def _counter(progress: ProgressFn | None, stage: str) -> Callable[[int], None] | None:
     if progress is None:
         return None
@@ -532,6 +662,9 @@ def _stats(
         stats.bytes_written = sum(result["files"].values())
         stats.files = sorted(result["files"])
     stats.total_bytes = int(status.get("total_bytes", 0))
+    stats.token = planned.token
+    if status.get("manifest") is not None:
+        stats.manifest = Manifest.from_json(status["manifest"])
     stats.seconds = time.perf_counter() - t0
     return stats
 

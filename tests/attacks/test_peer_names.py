@@ -69,17 +69,17 @@ def test_exchange_refuses_a_name_outside_the_root_on_both_ends(tmp_path: Path) -
 
 
 def _hostile_save(rank: int, world: int, tmp: str) -> Any:
-    import shardsafe.local_tier as local_tier
+    import shardsafe.saver as saver
 
     if rank == 1:  # this rank runs code that offers a name outside the root with its files
-        real = local_tier.write_share
+        real = saver.write_share
 
         def write_share(*args: Any, **kwargs: Any) -> Any:
             result = real(*args, **kwargs)
             result["files"][HOSTILE] = 8
             return result
 
-        local_tier.write_share = write_share  # type: ignore[assignment]
+        saver.write_share = write_share  # type: ignore[assignment]
     host = "ab"[rank]
     mgr = CheckpointManager(
         f"{tmp}/x/y/z/persistent",
