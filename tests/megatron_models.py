@@ -123,8 +123,9 @@ def gpt(tp: int, pp: int, seed: int = 1234, layers: int = 2) -> Any:
     )
 
 
-def with_optimizer(model: Any, distributed: bool) -> tuple[Any, Any]:
-    """Megatron's DDP wrapper and Adam (its DistributedOptimizer when ``distributed``)."""
+def with_optimizer(model: Any, distributed: bool, **config: Any) -> tuple[Any, Any]:
+    """Megatron's DDP wrapper and Adam (its DistributedOptimizer when ``distributed``);
+    ``config`` sets further OptimizerConfig fields."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -138,7 +139,11 @@ def with_optimizer(model: Any, distributed: bool) -> tuple[Any, Any]:
         )
         opt = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=1e-2, use_distributed_optimizer=distributed, bf16=False
+                optimizer="adam",
+                lr=1e-2,
+                use_distributed_optimizer=distributed,
+                bf16=False,
+                **config,
             ),
             [ddp],
         )
