@@ -30,6 +30,16 @@ def _cpu_device(device: Any) -> Any:
     return torch.device("cpu") if d.type == "cuda" else device
 
 
+class _NoStream:
+    """The current CUDA stream where there is none: CPU work is ordered already."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def cpu_as_cuda() -> Iterator[None]:
     """Let Megatron-Core optimizer code that names CUDA run on CPU tensors (see module doc)."""
@@ -60,6 +70,7 @@ def cpu_as_cuda() -> Iterator[None]:
         patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
         patch(torch.cuda, "synchronize", lambda *a, **k: None)
         patch(torch.cuda, "empty_cache", lambda *a, **k: None)
+        patch(torch.cuda, "current_stream", lambda *a, **k: _NoStream())  # 0.19's grad sync
         for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
             patch(torch, name, with_cpu(getattr(torch, name)))
         patch(torch.Tensor, "type", cuda_type)

@@ -6,7 +6,8 @@ learning-rate schedule, saves iteration 2 through ``shardsafe.megatron_api`` (th
 every rank, while writing iteration 4. Generation 2, in fresh processes under TP1 x PP2, is
 refused the half-written iteration 4, resumes from the tracker's iteration 2 and trains to the
 end: weights, Adam moments and steps, learning rate and schedule equal an uninterrupted TP2 run
-bit for bit. The loop is in ``megatron_resume``.
+bit for bit. The loop is in ``megatron_resume``; ``test_megatron_019`` runs the same journey
+against megatron-core 0.19.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def flip_a_model_byte(path: Path) -> str:
 
 
 def test_killed_mid_save_resumes_in_another_layout_exactly(tmp_path: Path) -> None:
+    run_journey(tmp_path)
+
+
+def run_journey(tmp_path: Path) -> None:
+    """The whole journey (also run against megatron-core 0.19 by ``test_megatron_019``)."""
     root = tmp_path / "run"
     root.mkdir()
     with pytest.raises(RankFailure) as killed:
