@@ -30,6 +30,16 @@ def _cpu_device(device: Any) -> Any:
     return torch.device("cpu") if d.type == "cuda" else device
 
 
+class _NoStream:
+    """The current CUDA stream where there is none: CPU work is ordered already."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def cpu_as_cuda() -> Iterator[None]:
     """Let Megatron-Core optimizer code that names CUDA run on CPU tensors (see module doc)."""
@@ -60,6 +70,7 @@ def cpu_as_cuda() -> Iterator[None]:
         patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
         patch(torch.cuda, "synchronize", lambda *a, **k: None)
         patch(torch.cuda, "empty_cache", lambda *a, **k: None)
+        patch(torch.cuda, "current_stream", lambda *a, **k: _NoStream())  # 0.19's grad sync
         for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
             patch(torch, name, with_cpu(getattr(torch, name)))
         patch(torch.Tensor, "type", cuda_type)
@@ -123,8 +134,9 @@ def gpt(tp: int, pp: int, seed: int = 1234, layers: int = 2) -> Any:
     )
 
 
-def with_optimizer(model: Any, distributed: bool) -> tuple[Any, Any]:
-    """Megatron's DDP wrapper and Adam (its DistributedOptimizer when ``distributed``)."""
+def with_optimizer(model: Any, distributed: bool, **config: Any) -> tuple[Any, Any]:
+    """Megatron's DDP wrapper and Adam (its DistributedOptimizer when ``distributed``);
+    ``config`` sets further OptimizerConfig fields."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -138,7 +150,11 @@ def with_optimizer(model: Any, distributed: bool) -> tuple[Any, Any]:
         )
         opt = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=1e-2, use_distributed_optimizer=distributed, bf16=False
+                optimizer="adam",
+                lr=1e-2,
+                use_distributed_optimizer=distributed,
+                bf16=False,
+                **config,
             ),
             [ddp],
         )

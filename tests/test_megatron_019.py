@@ -1,7 +1,8 @@
 """shardsafe against megatron-core 0.19 itself, both directions, on gloo CPU ranks.
 
 megatron-core 0.19 needs Python >= 3.12 and keeps its common state inside the DCP files (the
-ShardedObject ``common_state/shard_0_1``) instead of ``common.pt``. These tests run in the
+ShardedObject ``common_state/shard_0_1``) instead of ``common.pt``. The training journey of
+``test_megatron_resume`` (killed mid-save, resumed in another layout) runs here too. These run in the
 second venv the Makefile builds (``make test-megatron019``, part of ``make test``); in the main
 venv (megatron-core 0.16.1) the module is skipped, saying so.
 """
@@ -28,6 +29,7 @@ if Version(mcore.__version__) < Version("0.19"):
 
 from megatron_models import cpu_as_cuda  # noqa: E402
 from rank_pool import RankPool  # noqa: E402
+from test_megatron_resume import run_journey  # noqa: E402
 
 import shardsafe  # noqa: E402
 from shardsafe import megatron_api  # noqa: E402
@@ -146,3 +148,12 @@ def test_megatron_named_errors_are_megatron_019_exceptions(tmp_path):
     with pytest.raises(CheckpointingException) as err:
         megatron_api.load({}, str(tmp_path / "absent"))
     assert isinstance(err.value, shardsafe.CheckpointNotFoundError)
+
+
+def test_killed_mid_save_resumes_in_another_layout_exactly(tmp_path):
+    """test_megatron_resume's journey on megatron-core 0.19: a TP2 run trained with its DDP,
+    optimizer and schedule, saving through ``megatron_api``, SIGKILLed (every rank) in the middle
+    of a save; a TP1 x PP2 run in fresh processes is refused the half-written directory,
+    resumes from the tracker's iteration and equals an uninterrupted run bit for bit; the
+    checkpoint verifies, and a flipped byte raises 0.19's ``CheckpointingException``."""
+    run_journey(tmp_path)

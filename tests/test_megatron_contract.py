@@ -233,6 +233,64 @@ def test_zero_size_pieces_held_by_several_ranks(pool, tmp_path):
     assert torch.equal(shardsafe.CheckpointReader(ours).read_tensor("u"), torch.arange(2.0))
 
 
+# --------------------------------------------------------------------------- another layout
+
+
+def _stage(rank: int, layers: list[int], template: bool = False) -> dict:
+    """What a pipeline stage holding ``layers`` builds: each layer's SwiGLU weight as the two
+    ShardedTensors its factory makes (a list), and Adam state per local parameter id (a dict of
+    ShardedTensors), every tensor split over the ranks."""
+
+    def piece(key: str) -> mcore.ShardedTensor:
+        data = torch.zeros(2) if template else torch.full((2,), float(rank))
+        return mcore.ShardedTensor.from_rank_offsets(key, data, (0, rank, WORLD))
+
+    return {
+        "model": {
+            f"decoder.layers.{n}.mlp.linear_fc1.weight": [
+                piece(f"fc1.{n}.gate"),
+                piece(f"fc1.{n}.up"),
+            ]
+            for n in layers
+        },
+        "optimizer": {
+            "state": {i: {"exp_avg": piece(f"exp_avg.{n}")} for i, n in enumerate(layers)}
+        },
+        "iteration": 3,
+    }
+
+
+def load_as_another_stage(rank, world, ours_path, megatron_path):
+    from megatron.core import dist_checkpointing
+
+    with cpu_as_cuda():
+        dist_checkpointing.save(_stage(rank, [0, 1]), megatron_path)
+    megatron_api.save(_stage(rank, [0, 1]), ours_path)
+    out = {}
+    for name, call, path in (
+        ("megatron", dist_checkpointing.load, megatron_path),
+        ("ours", megatron_api.load, ours_path),
+    ):
+        with cpu_as_cuda():
+            out[name] = _summary(call(_stage(rank, [1], template=True), path))
+    return out
+
+
+def test_a_stage_of_another_layout_gets_its_own_entries_only(pool, tmp_path):
+    """Saved with layers 0 and 1 per rank, loaded by ranks that hold layer 1 alone (as a PP
+    stage does): neither the other layer's list of pieces nor the other parameter id's Adam
+    state comes back, as with Megatron (a torch optimizer would take that id as its own)."""
+    ours, theirs = tmp_path / "ours", tmp_path / "megatron"
+    ours.mkdir()
+    theirs.mkdir()
+    for rank, out in enumerate(pool.run(load_as_another_stage, str(ours), str(theirs))):
+        assert out["ours"] == out["megatron"], (rank, out)
+        got = out["ours"]["sd"]
+        assert list(got["model"]) == ["decoder.layers.1.mlp.linear_fc1.weight"]
+        assert got["model"]["decoder.layers.1.mlp.linear_fc1.weight"] == [[float(rank)] * 2] * 2
+        assert list(got["optimizer"]["state"]) == ["0"] and got["iteration"] == 3
+
+
 # --------------------------------------------------------------------------- strict modes
 
 

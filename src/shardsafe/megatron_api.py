@@ -10,6 +10,9 @@ same arguments and return what Megatron's return, and where Megatron's contract 
 - ``load`` handles every ``StrictHandling`` mode as Megatron does: keys are ShardedTensor and
   ShardedObject keys, unexpected entries are dropped from the request before loading, missing
   keys are computed over all ranks for the ``*_ALL`` modes only;
+- ``load`` returns the saving rank's common state without the containers that only held its
+  sharded entries (Megatron never stores them): a rank of another layout gets its own layers
+  and optimizer parameter ids, not empty ones of the saving layout's;
 - every error is a shardsafe error that is also Megatron-Core's ``CheckpointingException``
   when megatron-core is importable (it is imported only when an error is raised).
 
@@ -27,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
 from .checksum import digest
-from .codec import encode
+from .codec import decode_inline, encode
 from .dist import get_comm, outcome, raise_for
 from .errors import CheckpointError, MissingKeyError, ValidationError, describe_ranks
 from .loading import StrictHandling, content_metadata_of, read_manifest
@@ -282,9 +285,58 @@ def load(
         process_group=process_group,
         strict=StrictHandling.ASSUME_OK_UNEXPECTED,
     )
+    from .integrations.megatron import is_torch_dist_dir
+
+    if not is_torch_dist_dir(checkpoint_dir):
+        _drop_saved_layout(result, template, read_manifest(checkpoint_dir)[0].common)
     if mode.returns:
         return result, missing, unexpected
     return result
+
+
+def _hollow(enc: Any) -> bool:
+    """Whether an encoded common-state value only marks where sharded entries stood: a
+    placeholder, a list of them, or a dict whose entries were all sharded (saved empty)."""
+    if isinstance(enc, dict) and set(enc) == {"$sharded"}:
+        return True
+    if isinstance(enc, list):
+        return bool(enc) and all(_hollow(v) for v in enc)
+    if isinstance(enc, dict) and set(enc) == {"$dict"} and isinstance(enc["$dict"], list):
+        return all(isinstance(kv, list) and len(kv) == 2 and _hollow(kv[1]) for kv in enc["$dict"])
+    return False
+
+
+def _drop_saved_layout(result: Any, template: Any, enc: Any) -> None:
+    """Remove from ``result`` (in place) what came from the common state of the saving rank and
+    only holds the places of its sharded entries: a rank of another layout requests other
+    layers and parameter ids, and Megatron's common state never holds such containers (a
+    torch optimizer would take ``state[7] = {}`` for a parameter this rank does not have).
+
+    A dict the template asks for is walked; a stored key it does not ask for is dropped when
+    its value is hollow (:func:`_hollow`). An empty dict stored under such a key is dropped
+    too: the format does not tell it from a dict whose entries were all sharded.
+    """
+    if isinstance(result, dict) and isinstance(template, dict) and isinstance(enc, dict):
+        pairs = enc.get("$dict")
+        if not isinstance(pairs, list):
+            return
+        for pair in pairs:
+            if not (isinstance(pair, list) and len(pair) == 2):
+                continue
+            try:
+                key = decode_inline(pair[0], "common state key")
+                hash(key)
+            except (CheckpointError, TypeError):
+                continue
+            if key not in result:
+                continue
+            if key in template:
+                _drop_saved_layout(result[key], template[key], pair[1])
+            elif _hollow(pair[1]):
+                del result[key]
+    elif isinstance(result, list) and isinstance(template, list) and isinstance(enc, list):
+        for r, t, e in zip(result, template, enc, strict=False):
+            _drop_saved_layout(r, t, e)
 
 
 def _requested_keys(tree: Any) -> set[str]:
