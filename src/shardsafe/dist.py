@@ -1,9 +1,9 @@
 """Collectives with error gathering, and a no-distributed mode.
 
-Every step that spans ranks runs through :func:`agree`: each rank contributes either a
-result or its exception, everyone learns everyone's outcome, and if any rank failed every
-rank raises the same :class:`CheckpointError` naming the failing ranks. No rank is left
-waiting in a collective that a failed peer will never reach.
+A step that spans ranks runs as :func:`outcome` on each rank (its result or its exception's
+record), a gather of the records, and :func:`raise_for`: if any rank failed, every rank
+raises the same :class:`CheckpointError` naming the failing ranks. No rank is left waiting in
+a collective that a failed peer will never reach.
 
 Before a collective, :meth:`Comm.arrive` waits in the store for every rank: the last to
 arrive sets the wait's ``all`` key, and while the wait lasts the process's heartbeat thread
@@ -278,7 +278,7 @@ def raise_for(records: list[dict[str, Any] | None], stage: str) -> None:
         ):
             if len(records) > 1 and len(failed) < len(records):
                 message = f"{message} (on {describe_ranks(list(failed))} during {stage})"
-            raise _make(cls, message) from _local_cause()
+            raise cls(message) from _local_cause()
     lines = "; ".join(f"rank {r}: {_with_origin(rec)}" for r, rec in sorted(failed.items())[:8])
     raise DistributedError(
         f"{stage} failed on {describe_ranks(list(failed))}: {lines}",
@@ -291,17 +291,3 @@ def _with_origin(rec: dict[str, Any]) -> str:
     """``Origin: message`` unless the message already starts with its exception type."""
     message, origin = str(rec["message"]), str(rec["origin"])
     return message if message.startswith(f"{origin}:") else f"{origin}: {message}"
-
-
-def _make(cls: type[CheckpointError], message: str) -> CheckpointError:
-    if issubclass(cls, DistributedError):
-        return cls(message)
-    return cls(message)
-
-
-def agree(comm: Comm, fn: Callable[[], T], stage: str) -> T:
-    """Run ``fn`` on every rank; raise everywhere if it failed anywhere."""
-    result, err = outcome(fn)
-    records = comm.all_gather(err)
-    raise_for(records, stage)
-    return result  # type: ignore[return-value]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..checksum import DEFAULT_BLOCK_BYTES
 from ..codec import encode, tensor_bytes
 from ..commit import commit
