@@ -11,7 +11,8 @@ arrive sets the wait's ``all`` key, and while the wait lasts the process's heart
 heartbeating for ``dead_after`` s (``compare_set``: the first of the two wins for every rank).
 So a rank that died or froze since the last operation is named with its host on every
 waiting rank within ``dead_after`` + 2 s, and one that is alive but slow is waited for up to
-``timeout``.
+``timeout``. :meth:`Comm.with_peers` does the same for a point-to-point exchange with a few
+peers (the local tier's copy rounds), which no store key ends.
 """
 
 from __future__ import annotations
@@ -19,17 +20,26 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as tdist
 
 from . import errors as _errors
 from .errors import CheckpointError, DistributedError, describe_ranks
-from .liveness import DEAD_AFTER, HEARTBEATS, Heartbeat, Watch, dead_after_of, start_within_of
+from .liveness import (
+    DEAD_AFTER,
+    HEARTBEATS,
+    INTERVAL,
+    Heartbeat,
+    Watch,
+    dead_after_of,
+    start_within_of,
+)
 
 T = TypeVar("T")
 
@@ -129,6 +139,79 @@ class Comm:
             ]:
                 with contextlib.suppress(Exception):
                     store.delete_key(key)
+
+    def with_peers(
+        self,
+        fn: Callable[[], T],
+        peers: Iterable[int],
+        stage: str,
+        dead_after: float = DEAD_AFTER,
+    ) -> T:
+        """``fn()``, a blocking exchange of point-to-point messages with ``peers`` (group
+        ranks), raising a :class:`DistributedError` naming a peer and its host as soon as it
+        has not heartbeated for ``dead_after`` s (+ 2 s; see :mod:`shardsafe.liveness`).
+
+        Gloo's waits cannot be interrupted (``Work`` has no ``abort``, and aborting the group
+        leaves them blocked), so ``fn`` runs in a thread of its own while this one waits for it
+        or for the heartbeat thread's verdict; after a verdict that thread stays blocked until
+        the group's own timeout and the group is not to be used again. A peer that is slow but
+        beating is waited for (up to that timeout). When ``fn`` raises (gloo saw a peer's
+        connection close), the verdict on the dead peer is awaited for up to ``dead_after``
+        + 3 s so that the error names it; otherwise the error says what gloo said.
+        """
+        awaited = sorted(set(peers) - {self.rank})
+        if not self.distributed or not awaited:
+            return fn()
+        try:
+            beat = HEARTBEATS.ensure(_store(), tdist.get_rank())
+        except Exception:  # the store is gone: gloo's own error is all there is to say
+            return fn()
+        ended = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = fn()
+            except BaseException as e:
+                box["error"] = e
+            finally:
+                ended.set()
+
+        watch = Watch(
+            None,
+            lambda r: "",
+            awaited,
+            self.global_rank,
+            False,
+            stage,
+            dead_after_of(dead_after),
+            start_within_of(dead_after, float("inf")),
+            notify=lambda _verdict: ended.set(),
+        )
+        handle = beat.watch(watch)
+        try:
+            threading.Thread(target=run, name="shardsafe-exchange", daemon=True).start()
+            ended.wait()
+            if watch.verdict is None and "error" in box:
+                grace = time.monotonic() + dead_after_of(dead_after) + 3 * INTERVAL
+                while watch.verdict is None and time.monotonic() < grace:
+                    time.sleep(INTERVAL / 4)
+        finally:
+            beat.unwatch(handle)
+        if "result" in box:  # done: a peer lost now is named by the next wait
+            return cast(T, box["result"])
+        if watch.verdict is not None:
+            raise DistributedError(
+                f"rank {self.rank}: {watch.verdict['message']}",
+                {int(watch.verdict["rank"]): "dead"},
+            )
+        if "error" in box:
+            e = box["error"]
+            raise DistributedError(
+                f"rank {self.rank}: '{stage}' with {describe_ranks(awaited)} failed "
+                f"({type(e).__name__}: {e}); none of them stopped heartbeating"
+            ) from e
+        raise AssertionError("unreachable: the exchange ended without a result or an error")
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:

@@ -23,6 +23,11 @@ every waiting rank raises the same :class:`~shardsafe.errors.DistributedError`. 
   the later of its last beat and the coordinator's arrival at the wait (a dead coordinator:
   of the wait's start on each rank);
 * a rank that is slow but beating is waited for until the wait's own ``timeout``;
+* an exchange of point-to-point messages (the local tier's copy rounds, at save and restore)
+  runs under :meth:`~shardsafe.dist.Comm.with_peers`: the heartbeat thread looks at the
+  exchange's peers and hands its verdict to a callback instead of a key, so a peer that died
+  or froze mid-round is named on the ranks in the round within ``dead_after + 2 * INTERVAL``
+  s, and on the others by the next wait (the commit's, or a restore's next arrival);
 * a process that finished and exited normally is awaited by nobody, hence never named.
 
 Store load: one write per process per :data:`INTERVAL` (1 s): 64 writes/s at 64 ranks, 4,096
@@ -62,9 +67,10 @@ def host_key(global_rank: int) -> str:
 
 @dataclass
 class Watch:
-    """One wait in progress: the key it blocks on, and whom to look at while it lasts."""
+    """One wait in progress: the key it blocks on (or, with ``done_key`` None, the callback
+    ``notify`` that wakes it), and whom to look at while it lasts."""
 
-    done_key: str
+    done_key: str | None
     arrived_key: Callable[[int], str]
     ranks: list[int]  # group ranks that may keep this wait from ending
     global_rank: Callable[[int], int]
@@ -74,6 +80,8 @@ class Watch:
     start_within: float
     seen: dict[int, tuple[int, float]] = field(default_factory=dict)
     arrived: set[int] = field(default_factory=set)  # an arrival key stays until the wait ends
+    notify: Callable[[dict[str, Any]], None] | None = None
+    verdict: dict[str, Any] | None = None
 
 
 class Heartbeat:
@@ -131,8 +139,9 @@ class Heartbeat:
                 return
 
     def _check(self, w: Watch) -> None:
-        """Write the verdict on the first awaited rank that stopped beating into ``w.done_key``."""
-        if self.client.check([w.done_key]):
+        """Write the verdict on the first awaited rank that stopped beating into ``w.done_key``
+        (or hand it to ``w.notify``)."""
+        if w.verdict is not None or (w.done_key is not None and self.client.check([w.done_key])):
             return
         now = time.monotonic()
         if w.coordinator:
@@ -159,7 +168,11 @@ class Heartbeat:
                 f"the others waited for it to reach '{w.stage}' (its process died or is "
                 "frozen, or its host was lost)",
             }
-            self.client.compare_set(w.done_key, "", json.dumps(verdict))
+            w.verdict = verdict
+            if w.done_key is not None:
+                self.client.compare_set(w.done_key, "", json.dumps(verdict))
+            if w.notify is not None:
+                w.notify(verdict)
             return
 
 
