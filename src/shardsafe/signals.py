@@ -17,8 +17,18 @@ the heartbeats of those it still waits for:
   ``log_every`` seconds.
 
 These beats belong to one save. Outside a save (between saves, before planning, in a load,
-at the start of a restore) a process's own heartbeat (:mod:`shardsafe.liveness`, the same
-``dead_after``) is what :meth:`shardsafe.dist.Comm.arrive` consults.
+at the start of a restore, in the local tier's copy rounds) a process's own heartbeat
+(:mod:`shardsafe.liveness`, the same ``dead_after``) is what the waits consult.
+
+Why the commit keeps beats of its own rather than watching the process heartbeat: that one
+beats and looks every :data:`shardsafe.liveness.INTERVAL` (1 s) and so names a dead rank
+within ``dead_after`` + 2 s, with ``dead_after`` raised to at least 3 s; the commit beats and
+looks every ``min(0.5, dead_after / 4)`` s, so a rank lost mid-save is named within
+``dead_after`` + 0.5 s, for any ``dead_after`` (the bound README's failure table states). To
+carry that bound, every process would have to beat every 0.5 s all the time (or switch
+rates while a save is open, which the watcher of an idle rank cannot know): twice the store's
+idle load, measured in ``benchmarks/bench_liveness.py``. What the two share is the store,
+the ``dead_after`` a Saver is given, the host key's role and the verdict's wording.
 """
 
 from __future__ import annotations
