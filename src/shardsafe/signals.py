@@ -25,9 +25,9 @@ beats and looks every :data:`shardsafe.liveness.INTERVAL` (1 s) and so names a d
 within ``dead_after`` + 2 s, with ``dead_after`` raised to at least 3 s; the commit beats and
 looks every ``min(0.5, dead_after / 4)`` s, so a rank lost mid-save is named within
 ``dead_after`` + 0.5 s, for any ``dead_after`` (the bound README's failure table states). To
-carry that bound, every process would have to beat every 0.5 s all the time (or switch
-rates while a save is open, which the watcher of an idle rank cannot know): twice the store's
-idle load, measured in ``benchmarks/bench_liveness.py``. What the two share is the store,
+carry that bound, every process would have to beat every 0.5 s all the time, twice the
+store's idle load (measured in ``benchmarks/bench_liveness.py``), or beat faster only while a
+save is open (one heartbeat at two rates; not done). What the two share is the store,
 the ``dead_after`` a Saver is given, the host key's role and the verdict's wording.
 """
 
