@@ -249,3 +249,33 @@ def test_slow_rank_in_a_copy_round_is_waited_for(tmp_path: Path) -> None:
         assert (run / "step_000000002" / "manifest.json").is_file()
         source = "abc".index(host) - 1 if host != "a" else 2
         assert (run / "step_000000002" / "data" / f"rank-{source:05d}-00.bin").is_file()
+
+
+def _lost_in_restore_copy(rank: int, world: int, base: str) -> None:
+    out = Path(base)
+    mgr = _tiered(out, rank)
+    mgr.save(1, _state(rank, world))
+    mgr.wait()
+    if rank == 2:  # host c lost its own file of the step: restore fetches it from host a
+        import shardsafe.local_restore as local_restore
+
+        (run,) = (out / "local" / "c").glob("run-*")
+        os.remove(run / "step_000000001" / "data" / "rank-00002-00.bin")
+
+        def die(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        local_restore.exchange_files = die  # type: ignore[assignment]
+    _survive(rank, out, lambda: mgr.restore(_state(rank, world)))
+
+
+@pytest.mark.timeout(240)
+def test_rank_lost_in_a_restore_copy_round_is_named_on_every_survivor(tmp_path: Path) -> None:
+    _run_losing_rank_2(_lost_in_restore_copy, str(tmp_path))
+    for r in (0, 1):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "DistributedError", rec
+        assert f"rank 2 on {socket.gethostname()}" in rec["message"], rec
+        assert "stopped heartbeating" in rec["message"], rec
+        assert rec["rank_errors"] == {"2": "dead"}, rec
+        assert rec["seconds"] < COPY_BOUND, rec
