@@ -1,10 +1,10 @@
-"""A rank lost or frozen between saves is named on every surviving rank within ``dead_after``.
+"""A rank lost or frozen at any stage is named on every surviving rank within ``dead_after``.
 
 Three real gloo ranks; rank 2 dies (SIGKILL) or freezes (SIGSTOP) right after a completed
-save, the two others call the next save (or a load) and must raise a DistributedError naming
-rank 2 and its host long before the operation's own timeout; a rank that is slow but alive
-is waited for. Survivors write what they raised to a file: the run itself fails, as rank 2
-never reports.
+save, or inside a local-tier copy round (at save or at restore); the two others must raise a
+DistributedError naming rank 2 and its host long before the operation's own timeout; a rank
+that is slow but alive is waited for. Survivors write what they raised to a file: the run
+itself fails, as rank 2 never reports.
 """
 
 from __future__ import annotations
