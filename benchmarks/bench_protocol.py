@@ -7,8 +7,9 @@ Forks ``world`` gloo ranks from one parent that has imported torch (so they shar
 memory) and times, on rank 0, with a tiny state (one 256-element float32 piece per rank),
 so that the time is the protocol's and not the bytes':
 
-* ``channel``: the store protocol alone: open the channel (start the heartbeat thread on
-  the two store connections a Saver keeps), post a record, rank 0 collects every record and publishes, every rank reads it;
+* ``channel``: the store protocol alone: open the channel (the process heartbeat hastened;
+  the two store connections a Saver keeps), post a record, rank 0 collects every record and
+  publishes, every rank reads it;
 * ``barrier``: a gloo ``dist.barrier()``, for scale;
 * ``save``/``async_save``: whole saves (plan cached after the first, lease, write, commit,
   rename), median over ``repeat`` after one warm-up.

@@ -1,10 +1,10 @@
-"""A rank lost or frozen between saves is named on every surviving rank within ``dead_after``.
+"""A rank lost or frozen at any stage is named on every surviving rank within ``dead_after``.
 
 Three real gloo ranks; rank 2 dies (SIGKILL) or freezes (SIGSTOP) right after a completed
-save, the two others call the next save (or a load) and must raise a DistributedError naming
-rank 2 and its host long before the operation's own timeout; a rank that is slow but alive
-is waited for. Survivors write what they raised to a file: the run itself fails, as rank 2
-never reports.
+save, or inside a local-tier copy round (at save or at restore); the two others must raise a
+DistributedError naming rank 2 and its host long before the operation's own timeout; a rank
+that is slow but alive is waited for. Survivors write what they raised to a file: the run
+itself fails, as rank 2 never reports.
 """
 
 from __future__ import annotations
@@ -146,3 +146,136 @@ def _lost_before_restore(rank: int, world: int, base: str) -> None:
 def test_rank_lost_before_a_restore_is_named_on_every_survivor(tmp_path: Path) -> None:
     _run_losing_rank_2(_lost_before_restore, str(tmp_path))
     _check_survivors(tmp_path, "restore")
+
+
+# -- the local tier's copy rounds ------------------------------------------------------------
+COPY_BOUND = 30.0  # dead_after + 2 s + the commit, with room for a loaded machine; the copy
+# round's gloo group used to hold the survivors for max(60 s, 6 * dead_after)
+
+
+def _tiered(tmp: Path, rank: int) -> shardsafe.CheckpointManager:
+    """Three "hosts" (node ids) on this machine, each rank's files copied to the next host."""
+    return shardsafe.CheckpointManager(
+        tmp / "persistent",
+        local_root=tmp / "local" / "abc"[rank],
+        node_id="abc"[rank],
+        local_every=1,
+        persistent_every=100,
+        replicas=1,
+        timeout=TIMEOUT,
+        dead_after=DEAD,
+        async_save=False,
+    )
+
+
+def _copy_round_hook(out: Path, how: str) -> None:
+    """On this rank, stop, die or dawdle when the next copy round starts (after the offers
+    were swapped, so every peer is inside the round)."""
+    import shardsafe.local_tier as local_tier
+
+    real = local_tier.exchange_files
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        (out / "pid2").write_text(str(os.getpid()))
+        if how == "slow":
+            time.sleep(2 * DEAD)  # alive: the process heartbeat goes on
+        else:
+            os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            time.sleep(TIMEOUT)  # not reached unless continued
+        return real(*args, **kwargs)
+
+    local_tier.exchange_files = hooked  # type: ignore[assignment]
+
+
+def _lost_in_copy_round(rank: int, world: int, base: str, how: str) -> Any:
+    out = Path(base)
+    mgr = _tiered(out, rank)
+    mgr.save(1, _state(rank, world))
+    mgr.wait()
+    if rank == 2:
+        _copy_round_hook(out, how)
+    if how == "slow":
+        t0 = time.monotonic()
+        mgr.save(2, _state(rank, world))
+        mgr.wait()
+        mgr.close()
+        return time.monotonic() - t0
+    _survive(rank, out, lambda: (mgr.save(2, _state(rank, world)), mgr.wait()))
+    if rank == 0 and how == "stop":  # the frozen rank would otherwise outlive the test
+        os.kill(int((out / "pid2").read_text()), signal.SIGKILL)
+    return None
+
+
+def _end_rank_2(out: Path) -> None:
+    if (out / "pid2").exists():  # never leave a frozen process behind
+        pid = int((out / "pid2").read_text())
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_rank_lost_in_a_copy_round_is_named_on_every_survivor(tmp_path: Path, how: str) -> None:
+    try:
+        _run_losing_rank_2(_lost_in_copy_round, str(tmp_path), how)
+    finally:
+        _end_rank_2(tmp_path)
+    for r in (0, 1):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "DistributedError", rec
+        assert f"rank 2 on {socket.gethostname()}" in rec["message"], rec
+        assert "stopped heartbeating" in rec["message"], rec
+        assert "2" in rec["rank_errors"], rec
+        assert rec["seconds"] < COPY_BOUND, rec
+        print(f"rank {r}: {rec['seconds']:.1f} s: {rec['message'][:300]}")
+    # the copy round named it on the peers that were in it with rank 2 (0 receives from it,
+    # 1 sends to it, unless gloo took that send without rank 2); the commit on the others
+    rec0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert "'the local tier's copy round'" in rec0["rank_errors"]["0"], rec0
+
+
+@pytest.mark.timeout(240)
+def test_slow_rank_in_a_copy_round_is_waited_for(tmp_path: Path) -> None:
+    try:
+        seconds = run_ranks(_lost_in_copy_round, WORLD, str(tmp_path), "slow", timeout=150)
+    finally:
+        _end_rank_2(tmp_path)
+    assert min(seconds[:2]) >= 2 * DEAD  # ranks 0 and 1 waited for rank 2 past dead_after
+    for host in "abc":  # committed on every host, with the copies of the previous host's files
+        (run,) = (tmp_path / "local" / host).glob("run-*")
+        assert (run / "step_000000002" / "manifest.json").is_file()
+        source = "abc".index(host) - 1 if host != "a" else 2
+        assert (run / "step_000000002" / "data" / f"rank-{source:05d}-00.bin").is_file()
+
+
+def _lost_in_restore_copy(rank: int, world: int, base: str) -> None:
+    out = Path(base)
+    mgr = _tiered(out, rank)
+    mgr.save(1, _state(rank, world))
+    mgr.wait()
+    if rank == 2:  # host c lost its own file of the step: restore fetches it from host a
+        import shardsafe.local_restore as local_restore
+
+        (run,) = (out / "local" / "c").glob("run-*")
+        os.remove(run / "step_000000001" / "data" / "rank-00002-00.bin")
+
+        def die(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        local_restore.exchange_files = die  # type: ignore[assignment]
+    _survive(rank, out, lambda: mgr.restore(_state(rank, world)))
+
+
+@pytest.mark.timeout(240)
+def test_rank_lost_in_a_restore_copy_round_is_named_on_every_survivor(tmp_path: Path) -> None:
+    _run_losing_rank_2(_lost_in_restore_copy, str(tmp_path))
+    for r in (0, 1):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "DistributedError", rec
+        assert f"rank 2 on {socket.gethostname()}" in rec["message"], rec
+        assert "stopped heartbeating" in rec["message"], rec
+        assert rec["rank_errors"] == {"2": "dead"}, rec
+        assert rec["seconds"] < COPY_BOUND, rec

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import sys
 
+from ._version import __version__
 from .errors import (
     CheckpointError,
     CheckpointExistsError,

@@ -17,17 +17,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from .cli_common import human_size, plural, progress_bar, require_path
 from .errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
-
-
-def plural(n: int, word: str) -> str:
-    """``1 piece``, ``2 pieces``, ``3 entries``."""
-    if n == 1:
-        return f"{n} {word}"
-    if word.endswith("y") and word[-2:-1] not in "aeiou":
-        return f"{n} {word[:-1]}ies"
-    return f"{n} {word}es" if word.endswith(("s", "sh", "ch")) else f"{n} {word}s"
-
 
 EXAMPLES = """examples:
   shardsafe ls ckpt/                                   # checkpoints under a root: step, committed?, size, age
@@ -40,28 +31,6 @@ EXAMPLES = """examples:
   shardsafe convert hf_model/ ckpt/from_hf --to shardsafe   # then load it into any TP/PP layout
   shardsafe convert megatron_iter_0000100/ model.pt --to torch   # PyTorch DCP / Megatron torch_dist
 """
-
-
-def progress_bar(total: int, desc: str) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=None,
-        file=sys.stderr,
-    )
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 # --------------------------------------------------------------------------- verify / inspect
@@ -154,16 +123,6 @@ def _committed_children(path: str) -> list[str] | None:
 def _step_of(name: str) -> int | None:
     match = re.search(r"(\d+)$", name)
     return int(match.group(1)) if match else None
-
-
-def require_path(path: str) -> None:
-    """The one message for a local path that does not exist (object-store paths are left to
-    the readers, which say what is missing there)."""
-    from .errors import CheckpointNotFoundError
-    from .storage import is_url
-
-    if not is_url(path) and not os.path.lexists(path):
-        raise CheckpointNotFoundError(f"{path}: no such file or directory")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cli import plural, progress_bar
+from .cli_common import plural, progress_bar, require_path
 from .errors import CheckpointError, CheckpointExistsError
 
 # --------------------------------------------------------------------------- diff
@@ -20,7 +20,6 @@ from .errors import CheckpointError, CheckpointExistsError
 def cmd_diff(args: argparse.Namespace) -> int:
     import torch
 
-    from .cli import require_path
     from .convert import open_source
 
     require_path(args.a)
@@ -160,7 +159,6 @@ def _plain(x: Any) -> Any:
 def cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from .cli import require_path
     from .convert import (
         SelectedSource,
         export_dcp,

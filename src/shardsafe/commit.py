@@ -16,7 +16,7 @@ from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
-from . import __version__
+from ._version import __version__
 from .codec import encode_inline, is_plain_json
 from .dist import Comm, error_record
 from .errors import CheckpointError, CheckpointExistsError

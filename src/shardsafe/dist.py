@@ -1,9 +1,9 @@
 """Collectives with error gathering, and a no-distributed mode.
 
-Every step that spans ranks runs through :func:`agree`: each rank contributes either a
-result or its exception, everyone learns everyone's outcome, and if any rank failed every
-rank raises the same :class:`CheckpointError` naming the failing ranks. No rank is left
-waiting in a collective that a failed peer will never reach.
+A step that spans ranks runs as :func:`outcome` on each rank (its result or its exception's
+record), a gather of the records, and :func:`raise_for`: if any rank failed, every rank
+raises the same :class:`CheckpointError` naming the failing ranks. No rank is left waiting in
+a collective that a failed peer will never reach.
 
 Before a collective, :meth:`Comm.arrive` waits in the store for every rank: the last to
 arrive sets the wait's ``all`` key, and while the wait lasts the process's heartbeat thread
@@ -11,7 +11,8 @@ arrive sets the wait's ``all`` key, and while the wait lasts the process's heart
 heartbeating for ``dead_after`` s (``compare_set``: the first of the two wins for every rank).
 So a rank that died or froze since the last operation is named with its host on every
 waiting rank within ``dead_after`` + 2 s, and one that is alive but slow is waited for up to
-``timeout``.
+``timeout``. :meth:`Comm.with_peers` does the same for a point-to-point exchange with a few
+peers (the local tier's copy rounds), which no store key ends.
 """
 
 from __future__ import annotations
@@ -19,17 +20,26 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as tdist
 
 from . import errors as _errors
 from .errors import CheckpointError, DistributedError, describe_ranks
-from .liveness import DEAD_AFTER, HEARTBEATS, Heartbeat, Watch, dead_after_of, start_within_of
+from .liveness import (
+    DEAD_AFTER,
+    HEARTBEATS,
+    INTERVAL,
+    Heartbeat,
+    Watch,
+    dead_after_of,
+    start_within_of,
+)
 
 T = TypeVar("T")
 
@@ -129,6 +139,79 @@ class Comm:
             ]:
                 with contextlib.suppress(Exception):
                     store.delete_key(key)
+
+    def with_peers(
+        self,
+        fn: Callable[[], T],
+        peers: Iterable[int],
+        stage: str,
+        dead_after: float = DEAD_AFTER,
+    ) -> T:
+        """``fn()``, a blocking exchange of point-to-point messages with ``peers`` (group
+        ranks), raising a :class:`DistributedError` naming a peer and its host as soon as it
+        has not heartbeated for ``dead_after`` s (+ 2 s; see :mod:`shardsafe.liveness`).
+
+        Gloo's waits cannot be interrupted (``Work`` has no ``abort``, and aborting the group
+        leaves them blocked), so ``fn`` runs in a thread of its own while this one waits for it
+        or for the heartbeat thread's verdict; after a verdict that thread stays blocked until
+        the group's own timeout and the group is not to be used again. A peer that is slow but
+        beating is waited for (up to that timeout). When ``fn`` raises (gloo saw a peer's
+        connection close), the verdict on the dead peer is awaited for up to ``dead_after``
+        + 3 s so that the error names it; otherwise the error says what gloo said.
+        """
+        awaited = sorted(set(peers) - {self.rank})
+        if not self.distributed or not awaited:
+            return fn()
+        try:
+            beat = HEARTBEATS.ensure(_store(), tdist.get_rank())
+        except Exception:  # the store is gone: gloo's own error is all there is to say
+            return fn()
+        ended = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = fn()
+            except BaseException as e:
+                box["error"] = e
+            finally:
+                ended.set()
+
+        watch = Watch(
+            None,
+            lambda r: "",
+            awaited,
+            self.global_rank,
+            False,
+            stage,
+            dead_after_of(dead_after),
+            start_within_of(dead_after, float("inf")),
+            notify=lambda _verdict: ended.set(),
+        )
+        handle = beat.watch(watch)
+        try:
+            threading.Thread(target=run, name="shardsafe-exchange", daemon=True).start()
+            ended.wait()
+            if watch.verdict is None and "error" in box:
+                grace = time.monotonic() + dead_after_of(dead_after) + 3 * INTERVAL
+                while watch.verdict is None and time.monotonic() < grace:
+                    time.sleep(INTERVAL / 4)
+        finally:
+            beat.unwatch(handle)
+        if "result" in box:  # done: a peer lost now is named by the next wait
+            return cast(T, box["result"])
+        if watch.verdict is not None:
+            raise DistributedError(
+                f"rank {self.rank}: {watch.verdict['message']}",
+                {int(watch.verdict["rank"]): "dead"},
+            )
+        if "error" in box:
+            e = box["error"]
+            raise DistributedError(
+                f"rank {self.rank}: '{stage}' with {describe_ranks(awaited)} failed "
+                f"({type(e).__name__}: {e}); none of them stopped heartbeating"
+            ) from e
+        raise AssertionError("unreachable: the exchange ended without a result or an error")
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
@@ -257,6 +340,14 @@ def _local_cause() -> BaseException | None:
     return cause
 
 
+def agree(comm: Comm, fn: Callable[[], T], stage: str) -> T:
+    """Run ``fn`` on every rank and gather the outcomes: raise everywhere if it failed anywhere
+    (for a step whose failure on one rank would leave the others in a later collective)."""
+    result, err = outcome(fn)
+    raise_for(comm.all_gather(err) if comm.distributed else [err], stage)
+    return cast(T, result)
+
+
 def raise_for(records: list[dict[str, Any] | None], stage: str) -> None:
     """Raise one error on this rank if any rank's record is an error.
 
@@ -278,7 +369,7 @@ def raise_for(records: list[dict[str, Any] | None], stage: str) -> None:
         ):
             if len(records) > 1 and len(failed) < len(records):
                 message = f"{message} (on {describe_ranks(list(failed))} during {stage})"
-            raise _make(cls, message) from _local_cause()
+            raise cls(message) from _local_cause()
     lines = "; ".join(f"rank {r}: {_with_origin(rec)}" for r, rec in sorted(failed.items())[:8])
     raise DistributedError(
         f"{stage} failed on {describe_ranks(list(failed))}: {lines}",
@@ -291,17 +382,3 @@ def _with_origin(rec: dict[str, Any]) -> str:
     """``Origin: message`` unless the message already starts with its exception type."""
     message, origin = str(rec["message"]), str(rec["origin"])
     return message if message.startswith(f"{origin}:") else f"{origin}: {message}"
-
-
-def _make(cls: type[CheckpointError], message: str) -> CheckpointError:
-    if issubclass(cls, DistributedError):
-        return cls(message)
-    return cls(message)
-
-
-def agree(comm: Comm, fn: Callable[[], T], stage: str) -> T:
-    """Run ``fn`` on every rank; raise everywhere if it failed anywhere."""
-    result, err = outcome(fn)
-    records = comm.all_gather(err)
-    raise_for(records, stage)
-    return result  # type: ignore[return-value]

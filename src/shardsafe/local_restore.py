@@ -16,13 +16,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, cast
 
 from .checksum import digest
 from .directory import StepDirectory, parse_step
 from .dist import outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
-from .errors import CheckpointError, CorruptCheckpointError, is_damaged_checkpoint
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DistributedError,
+    is_damaged_checkpoint,
+)
 from .format import MANIFEST_NAME, Extent, Manifest
 from .loading import files_to_read
 from .local_tier import LocalPlaces
@@ -41,7 +47,6 @@ def inventory(tier: LocalPlaces) -> dict[str, Any]:
     "conflicts": {step: ["host:root digest", ...] where places hold different manifests}}``.
     Call it once the tier's save in flight has settled (:meth:`LocalTier.settle`).
     """
-    comm = tier.comm
     report: dict[str, Any] = {"place": list(tier.place), "steps": {}}
     if tier.leader:
         damaged = tier.dir.damaged()
@@ -49,7 +54,7 @@ def inventory(tier: LocalPlaces) -> dict[str, Any]:
             entry = _held(tier.dir, name)
             entry["damaged"] = name in damaged or entry.pop("unreadable", False)
             report["steps"][name] = entry
-    reports = comm.all_gather(report) if comm.distributed else [report]
+    reports = _gather(tier, report, "the local tier's inventory")
     held: dict[Place, dict[str, dict[str, int]]] = {}
     votes: dict[str, dict[str, tuple[int, dict[str, int]]]] = {}
     damaged_anywhere: set[str] = set()
@@ -101,7 +106,6 @@ def restore(
 ) -> Any:
     """Collective: make every place hold the files of step ``name`` its ranks will read
     (fetching verified copies from other places), then ``load_into(this place's path)``."""
-    comm = tier.comm
     if name in inv.get("conflicts", {}):  # the same inventory on every rank: all raise here
         raise CorruptCheckpointError(
             f"local step {name}: the hosts hold different manifest.json files (place, xxh3 "
@@ -144,11 +148,7 @@ def restore(
     assert manifest is not None
     # 2. the files every rank will read
     mine, err = outcome(lambda: sorted(files_to_read(template, manifest)))
-    needs = (
-        comm.all_gather({"error": err, "files": mine})
-        if comm.distributed
-        else [{"error": err, "files": mine}]
-    )
+    needs = _gather(tier, {"error": err, "files": mine}, f"restore of local step {name}: files")
     raise_for([cast(dict[str, Any], n)["error"] for n in needs], f"restore of local step {name}")
     needed: dict[Place, set[str]] = {}
     for rank, n in enumerate(needs):
@@ -182,8 +182,7 @@ def restore(
     if not refused:
         raise failure
     _fetch(tier, needed, now, sizes, lambda p: name, token, check, refused)
-    if comm.distributed:
-        comm.all_gather(None)
+    _gather(tier, None, f"restore of local step {name}: replaced copies")
     log.warning(
         "restore: local step %s: replaced %d damaged cop%s from other hosts; loading again",
         name,
@@ -228,7 +227,7 @@ def _verify_held(
                 diff[0],
             )
             bad.append(n)
-    every = comm.all_gather(bad) if comm.distributed else [bad]
+    every = _gather(tier, bad, "restore: checking local copies")
     return {(tier.places[r], n) for r, names in enumerate(every) for n in names}
 
 
@@ -261,18 +260,29 @@ def _fetch(
             return
         if tier.leader:
             storage.make_dir(f"{base}/data")
-        if comm.distributed:
-            comm.all_gather(None)  # the directories exist before anyone writes into them
-        errors = exchange_files(
-            tier.group,
-            comm.rank,
-            comm.global_rank,
-            copies,
-            storage,
-            lambda n: f"{base}/{n}",
-            storage,
-            lambda n: _part(base, n, token),
-        )
+        # the directories exist before anyone writes into them
+        _gather(tier, None, "restore: fetching copies")
+        try:
+            errors = tier.copy_round(
+                partial(
+                    exchange_files,
+                    tier.group,
+                    comm.rank,
+                    comm.global_rank,
+                    copies,
+                    storage,
+                    partial(_joined, base),
+                    storage,
+                    partial(_part, base, token=token),
+                ),
+                {
+                    c.src if c.dst == comm.rank else c.dst
+                    for c in copies
+                    if comm.rank in (c.src, c.dst)
+                },
+            )
+        except DistributedError as e:  # a peer lost: the reports' arrival names it everywhere
+            errors = [str(e)]
         failed: list[str] = []
         for c in copies:
             if c.dst != comm.rank:
@@ -304,10 +314,7 @@ def _fetch(
                     c.src,
                     tier.places[c.src][0],
                 )
-        if comm.distributed:
-            reports = comm.all_gather({"failed": failed, "errors": errors})
-        else:
-            reports = [{"failed": failed, "errors": errors}]
+        reports = _gather(tier, {"failed": failed, "errors": errors}, "restore: copy reports")
         if any(r["errors"] for r in reports):
             raise CheckpointError(
                 "copying checkpoint files between hosts failed: "
@@ -334,11 +341,22 @@ def _fetch(
 
 
 def _agree(tier: LocalPlaces, err: dict[str, Any] | None, stage: str) -> None:
+    raise_for([r["error"] for r in _gather(tier, {"error": err}, stage)], stage)
+
+
+def _gather(tier: LocalPlaces, obj: Any, stage: str) -> list[Any]:
+    """Every rank's ``obj``, gathered after an arrival through the store
+    (:meth:`~shardsafe.dist.Comm.arrive`): a rank that died or froze is named on every rank
+    within the tier's ``dead_after`` instead of holding them in the collective."""
     comm = tier.comm
-    if comm.distributed:
-        raise_for([r["error"] for r in comm.all_gather({"error": err})], stage)
-    elif err is not None:
-        raise_for([err], stage)
+    if not comm.distributed:
+        return [obj]
+    comm.arrive(stage, tier.timeout, tier.dead_after)
+    return comm.all_gather(obj)
+
+
+def _joined(base: str, name: str) -> str:
+    return f"{base}/{name}"
 
 
 def _part(base: str, name: str, token: str) -> str:

@@ -31,10 +31,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as tdist
@@ -44,7 +44,7 @@ from .commit import assemble, commit, publish_manifest
 from .directory import StepDirectory, parse_step
 from .dist import Comm, error_record, get_comm, outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
-from .errors import CheckpointError
+from .errors import CheckpointError, DistributedError
 from .format import Extent, Manifest
 from .lease import LEASE_SECONDS, Lease
 from .location import Location
@@ -58,6 +58,8 @@ from .storage import is_url
 from .transfer import exchange_files
 
 log = logging.getLogger("shardsafe")
+
+T = TypeVar("T")
 
 
 RUN_FILE = "run.json"
@@ -130,6 +132,9 @@ class LocalPlaces:
     group: Any  # the tier's own gloo group for copies (None in one process)
     timeout: float  # how long a rank waits for the others to arrive
     dead_after: float  # a rank silent this long while others wait for it is dead
+    # runs one exchange with some peers, naming a peer that stops heartbeating
+    # (:meth:`LocalTier.copy_round`)
+    copy_round: Callable[[Callable[[], Any], Iterable[int]], Any]
 
 
 @dataclass(frozen=True)
@@ -300,13 +305,15 @@ class LocalTier:
         self.sources = [r for r in range(comm.world_size) if comm.rank in self.peers[r]]
         self.dir = StepDirectory(self.root)
         self.group: Any = None
+        self._lost: str | None = None  # why a copy round was given up: the group is unusable
         if comm.distributed and comm.world_size > 1:
             # its own gloo group: copies move from a background thread while the training loop
-            # runs collectives on the main group
+            # runs collectives on the main group. A peer that stops heartbeating is named within
+            # dead_after (Comm.with_peers); the group's timeout bounds only a slow, alive one
             self.group = tdist.new_group(
                 ranks=[comm.global_rank(r) for r in range(comm.world_size)],
                 backend="gloo",
-                timeout=timedelta(seconds=max(60.0, 6 * dead_after)),
+                timeout=timedelta(seconds=timeout),
                 use_local_synchronization=True,
             )
         self._lock = threading.Lock()  # guards _active
@@ -349,6 +356,7 @@ class LocalTier:
             self.group,
             self.timeout,
             self.dead_after,
+            self.copy_round,
         )
 
     # -- saving -----------------------------------------------------------------------------
@@ -482,7 +490,14 @@ class LocalTier:
             }
         errors: list[str] = []
         offers: dict[int, dict[str, Any]] = {}
-        for src, raw in self._swap_headers(json.dumps(offer).encode()).items():
+        try:
+            headers = self.copy_round(
+                lambda: self._swap_headers(json.dumps(offer).encode()),
+                [*self.peers[comm.rank], *self.sources],
+            )
+        except DistributedError as e:
+            return {}, error_record(e)
+        for src, raw in headers.items():
             offers[src], problem = self._parse_offer(src, raw)
             if problem:
                 errors.append(problem)
@@ -493,16 +508,22 @@ class LocalTier:
         ]
         for src, theirs in sorted(offers.items()):
             copies += [Copy(n, s, src, comm.rank) for n, s in sorted(theirs["files"].items())]
-        errors += exchange_files(
-            self.group,
-            comm.rank,
-            comm.global_rank,
-            copies,
-            storage,
-            lambda n: f"{work}/{n}",
-            storage,
-            lambda n: f"{work}/{n}",
-        )
+        try:
+            errors += self.copy_round(
+                lambda: exchange_files(
+                    self.group,
+                    comm.rank,
+                    comm.global_rank,
+                    copies,
+                    storage,
+                    lambda n: f"{work}/{n}",
+                    storage,
+                    lambda n: f"{work}/{n}",
+                ),
+                {c.src if c.dst == comm.rank else c.dst for c in copies},
+            )
+        except DistributedError as e:
+            return {}, error_record(e)
         received: dict[str, int] = {}
         for src, theirs in sorted(offers.items()):
             by_file: dict[str, list[Extent]] = theirs["extents"]
@@ -535,6 +556,23 @@ class LocalTier:
             )
             return received, error_record(failure)
         return received, None
+
+    def copy_round(self, exchange: Callable[[], T], peers: Iterable[int]) -> T:
+        """One copy round with ``peers``, under :meth:`~shardsafe.dist.Comm.with_peers`: a peer
+        that stops heartbeating is named within ``dead_after``. Its thread may stay blocked
+        in gloo afterwards, so the tier's group is not used again."""
+        if self._lost is not None:
+            raise DistributedError(
+                f"rank {self.comm.rank}: the local tier's copies stopped after an earlier copy "
+                f"round lost a peer ({self._lost}); restart the job"
+            )
+        try:
+            return self.comm.with_peers(
+                exchange, peers, "the local tier's copy round", self.dead_after
+            )
+        except DistributedError as e:
+            self._lost = str(e)
+            raise
 
     def _parse_offer(self, src: int, raw: bytes) -> tuple[dict[str, Any], str | None]:
         """What rank ``src`` offers to send: ``{"files": {name: size}, "extents": {name:

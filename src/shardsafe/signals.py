@@ -5,28 +5,28 @@ a key unique to the save, the coordinator waits for all of them, commits, and po
 outcome every rank waits for. No collective is involved, so a background commit never races
 the training loop's collectives.
 
-Failure bounds. From the moment it starts writing until it has the outcome, every rank
-increments a heartbeat counter in the store every ``interval`` seconds from a thread. A
-waiting rank blocks in the store's ``wait`` for at most ``interval`` at a time, then looks at
-the heartbeats of those it still waits for:
+Failure bounds. The heartbeat is the process's own (:mod:`shardsafe.liveness`), the one every
+wait of the library consults; while a save's channel is open, from planning until the rank
+has the outcome, it beats and looks every ``interval`` = ``min(0.5, dead_after / 4)`` s
+instead of every second (:meth:`~shardsafe.liveness.Heartbeat.hasten`), on every rank in the
+save. A waiting rank blocks in the store's ``wait``; the heartbeat thread looks at the beats
+of those it still waits for:
 
 * a rank whose counter has not moved for ``dead_after`` seconds (its process is gone, or
-  frozen) fails the save, named with its host, on every rank (one that never beat in this
-  save gets ``start_within`` seconds: it may still be on its way from planning);
+  frozen) has its awaited key filled with ``{"dead": message}`` and fails the save, named
+  with its host, on every rank within ``dead_after + 2 * interval`` s of its last beat (one
+  that never beat gets ``start_within`` seconds: it may still be importing);
 * a rank that is slow but heartbeating is waited for, and the wait is logged every
   ``log_every`` seconds.
 
-These beats belong to one save. Outside a save (between saves, before planning, in a load,
-at the start of a restore) a process's own heartbeat (:mod:`shardsafe.liveness`, the same
-``dead_after``) is what :meth:`shardsafe.dist.Comm.arrive` consults.
+So a save costs the store no beats of its own: the process's beats come twice as often while
+it lasts (two requests per rank a second instead of one; a channel with its own counters
+made three).
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import socket
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,13 +35,12 @@ from typing import Any
 import torch.distributed as tdist
 
 from .dist import Comm
-from .errors import DistributedError, describe_ranks
+from .errors import DistributedError
 from .liveness import DEAD_AFTER as DEAD_AFTER
-
-log = logging.getLogger("shardsafe")
+from .liveness import HEARTBEATS, Heartbeat, Watch
 
 HEARTBEAT_INTERVAL = 0.5
-"""Seconds between two heartbeats of a rank, and the longest single blocking wait."""
+"""Seconds between two heartbeats of a rank while a save's channel is open (at most)."""
 
 
 def default_store() -> Any:
@@ -57,8 +56,9 @@ def default_store() -> Any:
 @dataclass
 class StoreClients:
     """Two connections to the store: one for the blocking waits of the thread that commits,
-    one for the heartbeat thread. A store client serialises its requests, so a thread blocked
-    in ``wait`` would hold up a heartbeat on the same client. Made once per :class:`Saver`
+    one for the heartbeat thread's looks at this save's keys (and its verdicts). A store
+    client serialises its requests, so a thread blocked in ``wait`` would hold up the
+    heartbeat thread on the same client. Made once per :class:`Saver`
     and reused by its saves (connecting anew for every save costs seconds at scale)."""
 
     wait: Any
@@ -92,7 +92,8 @@ def connect(store: Any | None = None) -> StoreClients:
 
 
 class StoreChannel:
-    """Keys ``shardsafe/<token>/...`` in the store, for one save; heartbeats while open."""
+    """Keys ``shardsafe/<token>/...`` in the store, for one save; hastens the process
+    heartbeat (:mod:`shardsafe.liveness`) while open."""
 
     def __init__(
         self,
@@ -112,83 +113,50 @@ class StoreChannel:
         self.dead_after = dead_after
         self.interval = min(interval, dead_after / 4)
         self.log_every = log_every
-        # a rank that never heartbeated in this save is late rather than dead: more slack
+        # a rank that never heartbeated is late rather than dead: more slack
         self.start_within = start_within if start_within is not None else max(60.0, 6 * dead_after)
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._watch: tuple[set[int], str, Any] | None = None
-        self.store.set(self._key(f"host{comm.rank}"), socket.gethostname())
-        self.store.add(self._key(f"beat{comm.rank}"), 1)
-        self._thread = threading.Thread(target=self._run, name="shardsafe-heartbeat", daemon=True)
-        self._thread.start()
+        self.heartbeat: Heartbeat = HEARTBEATS.ensure(default_store(), tdist.get_rank())
+        self._haste: int | None = self.heartbeat.hasten(self.interval)
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    # -- the heartbeat thread: beat, and watch the ranks the main thread waits for ---------------
-    def _run(self) -> None:
-        beat = self._key(f"beat{self.comm.rank}")
-        seen: dict[int, tuple[int, float]] = {}
-        last_log = time.monotonic()
-        while not self._stop.wait(self.interval):
-            try:
-                self.beat_store.add(beat, 1)
-                with self._lock:
-                    watch = self._watch
-                if watch is not None:
-                    last_log = self._check(watch, seen, last_log)
-            except Exception:  # the store is gone; the main thread's wait says so
-                return
-
-    def _check(
-        self, watch: tuple[set[int], str, Any], seen: dict[int, tuple[int, float]], last_log: float
-    ) -> float:
-        """Fill the awaited key of a rank that stopped heartbeating with an error (which
-        wakes the blocked wait); log the ranks that are slow but alive."""
-        ranks, what, key_of = watch
-        now = time.monotonic()
-        pending = [r for r in sorted(ranks) if not self.beat_store.check([key_of(r)])]
-        for r in pending:
-            beats = int(self.beat_store.add(self._key(f"beat{r}"), 0))
-            if r not in seen or seen[r][0] != beats:
-                seen[r] = (beats, now)
-            elif now - seen[r][1] > (self.dead_after if beats else self.start_within):
-                why = "never started heartbeating" if beats == 0 else "stopped heartbeating"
-                message = (
-                    f"rank {r} on {self.host(r)} {why} {now - seen[r][1]:.1f} s ago while "
-                    f"{what} (its process died or is frozen)"
-                )
-                dead = {"dead": message}
-                self.beat_store.compare_set(key_of(r), "", json.dumps(dead))
-        if pending and now - last_log >= self.log_every:
-            log.warning(
-                "rank %d: still waiting for %s %s (alive and heartbeating)",
-                self.comm.rank,
-                describe_ranks(pending),
-                what,
-            )
-            return now
-        return last_log
+        """Back to the process heartbeat's own pace."""
+        if self._haste is not None:
+            self.heartbeat.relax(self._haste)
+            self._haste = None
 
     # -- posting and waiting ----------------------------------------------------------------
     def post(self, record: dict[str, Any]) -> None:
         self.store.set(self._key(f"rank{self.comm.rank}"), json.dumps(record))
 
-    def host(self, rank: int) -> str:
-        try:
-            return bytes(self.beat_store.get(self._key(f"host{rank}"))).decode()
-        except Exception:
-            return "unknown host"
-
     def _wait(self, ranks: set[int], what: str, key_of: Any, waiting_for: str) -> dict[int, Any]:
-        """Block until ``key_of(r)`` exists for every rank in ``ranks`` (a dead rank's key is
-        filled by the heartbeat thread); returns what each key holds."""
-        with self._lock:
-            self._watch = (ranks, what, key_of)
+        """Block until ``key_of(r)`` exists for every rank in ``ranks``; the heartbeat thread
+        fills the key of a rank that stopped beating with ``{"dead": message}``. Returns what
+        each key holds."""
+
+        def dead(verdict: dict[str, Any]) -> None:
+            key = key_of(int(verdict["rank"]))
+            self.beat_store.compare_set(key, "", json.dumps({"dead": verdict["message"]}))
+
+        handle = self.heartbeat.watch(
+            Watch(
+                None,
+                key_of,
+                sorted(ranks),
+                self.comm.global_rank,
+                True,
+                waiting_for,
+                self.dead_after,
+                self.start_within,
+                notify=dead,
+                each=True,
+                doing=what,
+                keys=self.beat_store,
+                log_every=self.log_every,
+            )
+        )
         try:
             keys = [key_of(r) for r in sorted(ranks)]
             if self.blocking:
@@ -200,8 +168,7 @@ class StoreChannel:
         except Exception as e:
             raise _store_lost(self.comm.rank, waiting_for, e) from None
         finally:
-            with self._lock:
-                self._watch = None
+            self.heartbeat.unwatch(handle)
 
     def collect(self) -> list[dict[str, Any]]:
         """Coordinator: every rank's record; a rank that stops heartbeating gets an error record."""
@@ -245,11 +212,7 @@ class StoreChannel:
         self.stop()
         try:
             if int(self.store.add(self._key("acks"), 1)) == self.comm.world_size:
-                names = [
-                    f"{kind}{r}"
-                    for r in range(self.comm.world_size)
-                    for kind in ("rank", "beat", "host")
-                ]
+                names = [f"rank{r}" for r in range(self.comm.world_size)]
                 for name in [*names, "status", "acks"]:
                     self.store.delete_key(self._key(name))
         except Exception:

@@ -4,10 +4,12 @@
   parallel ``parallelize_module``) to ShardedTensors, and back in place on load;
 * :mod:`.optimizer` — ``torch.optim`` state in parameter space, sharded like the parameters,
   so it reshards exactly like the weights (ZeRO-1 flat buffers included);
-* :mod:`.rng` — per-rank RNG states with an explicit policy for a changed layout.
+* :mod:`.rng` — per-rank RNG states with an explicit policy for a changed layout;
+* :mod:`.megatron` — Megatron-Core's sharded state dicts as they are, and its torch_dist
+  directories; :mod:`.dcp_dir` — directories PyTorch DCP's ``FileSystemWriter`` wrote.
 
-Nothing here is imported by ``import shardsafe``: these modules import ``torch.distributed``
-pieces that plain single-process users never need.
+``import shardsafe`` imports this package: it registers the DTensor and Megatron adapters and
+the two foreign-directory loaders.
 """
 
 from __future__ import annotations
