@@ -18,6 +18,14 @@ tensor parallel through ``configure_model``), ``Trainer(strategy=shardsafe.light
 ModelParallelStrategy(...))`` saves the whole checkpoint, each rank writing its own DTensor
 shards.
 
+Resuming after a crash: a save replaces nothing until it commits (it writes into a hidden
+``.<name>.shardsafe-tmp-*`` directory beside Lightning's path and renames it into place), so a
+process killed in the middle of a save leaves the previous checkpoints as they were. Lightning's
+``ckpt_path="last"`` (with ``ModelCheckpoint(save_last=True)``) then finds the last committed
+``last.ckpt``; :func:`newest_checkpoint` finds the most recently committed checkpoint of any name.
+A path holding no committed checkpoint (a half-written directory copied there, say) is never
+loaded: the resume raises a :class:`~shardsafe.CheckpointError` naming it.
+
 ``ModelCheckpoint(save_top_k=...)`` deletes through :meth:`CheckpointIO.remove_checkpoint`, which
 deletes only a committed shardsafe checkpoint this plugin wrote (its manifest says so) and raises
 for anything else: a stranger's file or directory is never deleted.
@@ -41,13 +49,19 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from .format import MANIFEST_NAME
 from .lease import lease_state
 from .loading import load, load_content_metadata
 from .location import locate
 from .saver import AsyncSaveHandle, Saver
 from .sharding import detached_copy
 
-__all__ = ["WRITER", "CheckpointIO", "ModelParallelStrategy"]
+__all__ = [
+    "WRITER",
+    "CheckpointIO",
+    "ModelParallelStrategy",
+    "newest_checkpoint",
+]
 
 WRITER = "shardsafe.lightning"  # content_metadata["writer"] of the checkpoints this plugin writes
 _MODULE_METADATA = "shardsafe.lightning/state_dict._metadata"  # where state_dict._metadata rides
@@ -253,6 +267,38 @@ class ModelParallelStrategy(_ModelParallelStrategy):
                 self._shardsafe_saver = None
         finally:
             super().teardown()
+
+
+def newest_checkpoint(dirpath: str | os.PathLike[str]) -> str | None:
+    """The checkpoint this plugin committed most recently in ``dirpath`` (a ``ModelCheckpoint``'s
+    ``dirpath``), for ``trainer.fit(model, ckpt_path=newest_checkpoint(dirpath))`` after a crash;
+    None when it holds none (or does not exist), so a first run starts from scratch.
+
+    Only committed checkpoints count (a manifest published by this plugin): the hidden work
+    directory of a save that was killed, a directory without a manifest and a stranger's files
+    are passed over. Order is commit time (the manifest's modification time), not the step, so
+    that a run resumed on purpose from an older checkpoint goes on from its own newest save.
+    A checkpoint whose manifest cannot be read raises its :class:`CheckpointError` (move it away
+    to resume from an older one): damage is never skipped without a word.
+    """
+    root = os.fspath(dirpath)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return None
+    found: list[tuple[int, str]] = []
+    for name in names:
+        if name.startswith("."):  # a save's work directory or lease, an overwrite's old copy
+            continue
+        path = os.path.join(root, name)
+        try:
+            committed = os.stat(os.path.join(path, MANIFEST_NAME)).st_mtime_ns
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # a file, or a directory holding no committed checkpoint
+        content = load_content_metadata(path)
+        if content and content.get("writer") == WRITER:
+            found.append((committed, name))
+    return os.path.join(root, max(found)[1]) if found else None
 
 
 def _ours(path: str, what: str) -> bool:
