@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--kill-in-save", type=int, default=None)
     ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--model-parallel", action="store_true")
+    ap.add_argument("--fsdp1", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.makedirs(args.root, exist_ok=True)
@@ -100,6 +101,8 @@ def main() -> None:
         strategy = shardsafe.lightning.ModelParallelStrategy(
             data_parallel_size=args.devices, tensor_parallel_size=1
         )
+    if args.fsdp1:
+        strategy = shardsafe.lightning.FSDPStrategy()
     dirpath = os.path.join(args.root, "ckpts")
     callbacks: list[pl.Callback] = []
     if args.checkpoints:
@@ -142,16 +145,18 @@ def main() -> None:
                 )
         sys.exit(3)
     opt = trainer.optimizers[0]
-    if args.model_parallel:  # every rank takes part in gathering the full state
+    if args.model_parallel or args.fsdp1:  # every rank takes part in gathering the full state
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
         )
 
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(model, options=full)
-        optim_state = get_optimizer_state_dict(model, opt, options=full)
+        # (cpu_offload=True crashes FSDP1's full state dict on CPU in torch 2.13; not needed)
+        full = StateDictOptions(full_state_dict=True, cpu_offload=not args.fsdp1)
+        wrapped = trainer.strategy.model if args.fsdp1 else model
+        model_state = get_model_state_dict(wrapped, options=full)
+        optim_state = get_optimizer_state_dict(wrapped, opt, options=full)
     else:
         model_state, optim_state = model.state_dict(), opt.state_dict()
     if trainer.global_rank == 0:
