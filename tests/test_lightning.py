@@ -362,6 +362,17 @@ def test_newest_checkpoint_is_the_last_committed_one_and_never_a_leftover(tmp_pa
 
     io.save_checkpoint({"global_step": 4, "w": torch.ones(2)}, ckpts / "last.ckpt")
     assert shardsafe.lightning.newest_checkpoint(ckpts) == str(ckpts / "last.ckpt")
+    # an overwrite that cannot exchange directories, killed between its two renames: the
+    # complete checkpoint lies aside under a hidden name, and nothing is at last.ckpt
+    aside = ckpts / ".last.ckpt.shardsafe-old-0123abcd"
+    (ckpts / "last.ckpt").rename(aside)
+    assert shardsafe.lightning.newest_checkpoint(ckpts) == str(aside)
+    assert io.load_checkpoint(aside)["global_step"] == 4
+    (ckpts / "last.ckpt").mkdir()  # the new one half-moved in: the old one still counts
+    assert shardsafe.lightning.newest_checkpoint(ckpts) == str(aside)
+    aside.rename(ckpts / "last.ckpt.tmp")
+    (ckpts / "last.ckpt").rmdir()
+    (ckpts / "last.ckpt.tmp").rename(ckpts / "last.ckpt")
     (ckpts / "last.ckpt" / "manifest.json").write_text("{")  # damage is raised, not skipped
     with pytest.raises(shardsafe.CheckpointError, match=re.escape("last.ckpt")):
         shardsafe.lightning.newest_checkpoint(ckpts)

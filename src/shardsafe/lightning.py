@@ -55,7 +55,7 @@ from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundEr
 from .format import MANIFEST_NAME
 from .lease import lease_state
 from .loading import load, load_content_metadata
-from .location import locate
+from .location import OLD_MARK, locate
 from .saver import AsyncSaveHandle, Saver
 from .sharding import ShardedTensor, ShardedTensorFactory, detached_copy
 
@@ -406,7 +406,9 @@ def newest_checkpoint(dirpath: str | os.PathLike[str]) -> str | None:
 
     Only committed checkpoints count (a manifest published by this plugin): the hidden work
     directory of a save that was killed, a directory without a manifest and a stranger's files
-    are passed over. Order is commit time (the manifest's modification time), not the step, so
+    are passed over. A checkpoint an overwrite moved aside and was killed before replacing
+    (possible only where the file system cannot exchange two directories) counts, at its
+    hidden path. Order is commit time (the manifest's modification time), not the step, so
     that a run resumed on purpose from an older checkpoint goes on from its own newest save.
     A checkpoint whose manifest cannot be read raises its :class:`CheckpointError` (move it away
     to resume from an older one): damage is never skipped without a word.
@@ -418,8 +420,8 @@ def newest_checkpoint(dirpath: str | os.PathLike[str]) -> str | None:
         return None
     found: list[tuple[int, str]] = []
     for name in names:
-        if name.startswith("."):  # a save's work directory or lease, an overwrite's old copy
-            continue
+        if name.startswith(".") and not _moved_aside(root, name):
+            continue  # a save's work directory or lease, a replaced checkpoint's leftover
         path = os.path.join(root, name)
         try:
             committed = os.stat(os.path.join(path, MANIFEST_NAME)).st_mtime_ns
@@ -429,6 +431,16 @@ def newest_checkpoint(dirpath: str | os.PathLike[str]) -> str | None:
         if content and content.get("writer") == WRITER:
             found.append((committed, name))
     return os.path.join(root, max(found)[1]) if found else None
+
+
+def _moved_aside(root: str, name: str) -> bool:
+    """``.<base>.shardsafe-old-*`` while ``<base>`` holds no committed checkpoint: an overwrite
+    killed between its two renames (file systems that cannot exchange two directories), and
+    the complete checkpoint that was at ``<base>`` is this one."""
+    if OLD_MARK not in name:
+        return False
+    base = name[1 : name.index(OLD_MARK)]
+    return not os.path.exists(os.path.join(root, base, MANIFEST_NAME))
 
 
 def _ours(path: str, what: str) -> bool:
