@@ -3,7 +3,10 @@
 Lightning's own ``Trainer.fit`` with its ``ModelCheckpoint`` and ``ckpt_path`` resume; with
 ``--devices 2`` Lightning's ``ddp`` strategy relaunches this script for rank 1 (gloo on CPU).
 Rank 0 writes the final state (module, optimizer, scheduler, progress) to ``--out`` with
-``torch.save``, or the class of the error ``fit`` raised.
+``torch.save``, or the class of the error ``fit`` raised. ``--kill-in-save EPOCH`` SIGKILLs every
+process of the run (the launcher and both ranks) in the middle of writing the first checkpoint
+of that epoch, leaving a half-written save behind; ``--resume newest`` resumes from
+``shardsafe.lightning.newest_checkpoint``, ``--resume last`` is Lightning's own.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+from typing import Any, NoReturn
 
 import pytorch_lightning as pl
 import torch
@@ -49,6 +54,25 @@ class Sharded(Tiny):
         fully_shard(self.net, mesh=mesh)
 
 
+def kill_the_run() -> NoReturn:
+    """SIGKILL the whole run at once (the test starts it in a process group of its own)."""
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class KillDuringSave(pl.Callback):
+    """Lets the first checkpoint of ``epoch`` write a few bytes of data, then kills the run."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.current_epoch == self.epoch:
+            from faultinject import patch_data_writes
+
+            patch_data_writes(64, kill_the_run)  # every rank: whichever writes first kills
+
+
 def data() -> DataLoader:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 4, generator=g)
@@ -62,8 +86,11 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--checkpoints", action="store_true")
+    ap.add_argument("--save-last", action="store_true")
+    ap.add_argument("--kill-in-save", type=int, default=None)
     ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--model-parallel", action="store_true")
+    ap.add_argument("--fsdp1", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.makedirs(args.root, exist_ok=True)
@@ -74,13 +101,22 @@ def main() -> None:
         strategy = shardsafe.lightning.ModelParallelStrategy(
             data_parallel_size=args.devices, tensor_parallel_size=1
         )
-    callbacks = []
+    if args.fsdp1:
+        strategy = shardsafe.lightning.FSDPStrategy()
+    dirpath = os.path.join(args.root, "ckpts")
+    callbacks: list[pl.Callback] = []
     if args.checkpoints:
         callbacks.append(
             pl.callbacks.ModelCheckpoint(
-                dirpath=os.path.join(args.root, "ckpts"), every_n_epochs=1, save_top_k=1
+                dirpath=dirpath, every_n_epochs=1, save_top_k=1, save_last=args.save_last
             )
         )
+    if args.kill_in_save is not None:
+        callbacks.append(KillDuringSave(args.kill_in_save))
+    resume = args.resume
+    if resume == "newest":
+        resume = shardsafe.lightning.newest_checkpoint(dirpath)
+        assert resume is not None, f"no committed checkpoint in {dirpath}"
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -95,7 +131,7 @@ def main() -> None:
         default_root_dir=args.root,
     )
     try:
-        trainer.fit(model, data(), ckpt_path=args.resume)
+        trainer.fit(model, data(), ckpt_path=resume)
     except Exception as e:
         if trainer.global_rank == 0:
             with open(args.out + ".json", "w") as f:
@@ -109,16 +145,18 @@ def main() -> None:
                 )
         sys.exit(3)
     opt = trainer.optimizers[0]
-    if args.model_parallel:  # every rank takes part in gathering the full state
+    if args.model_parallel or args.fsdp1:  # every rank takes part in gathering the full state
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
         )
 
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(model, options=full)
-        optim_state = get_optimizer_state_dict(model, opt, options=full)
+        # (cpu_offload=True crashes FSDP1's full state dict on CPU in torch 2.13; not needed)
+        full = StateDictOptions(full_state_dict=True, cpu_offload=not args.fsdp1)
+        wrapped = trainer.strategy.model if args.fsdp1 else model
+        model_state = get_model_state_dict(wrapped, options=full)
+        optim_state = get_optimizer_state_dict(wrapped, opt, options=full)
     else:
         model_state, optim_state = model.state_dict(), opt.state_dict()
     if trainer.global_rank == 0:
