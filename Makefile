@@ -55,7 +55,7 @@ demo: $(CORE_STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests -m "not frameworks"
 	$(MAKE) test-megatron019
 
 # Only the megatron-core 0.19 file(s): the rest of the suite ran in the main venv.
@@ -67,12 +67,13 @@ else
 	$(VENV312)/bin/python -m pytest -q $(MEGATRON019_TESTS)
 endif
 
-# framework integrations (torchtitan), apart from `make test`: only what their tests import,
-# without torchtitan's own dependency pins (they would move fsspec and huggingface_hub)
+# framework integrations apart from `make test`: torchtitan (only what its tests import, without
+# its own dependency pins: they would move fsspec and huggingface_hub) and every Lightning test,
+# the FSDP1/FSDP2 ones (marked `frameworks`) that `make test` leaves out included
 test-frameworks: $(STAMP)
 	$(BIN)/pip install -q --no-deps 'torchtitan==0.3.0' 'torchdata==0.11.0' 'spmd_types==0.2.3'
 	$(BIN)/pip install -q 'tyro>=0.9'
-	$(BIN)/python -m pytest -q tests/test_torchtitan.py
+	$(BIN)/python -m pytest -q tests/test_torchtitan.py tests/test_lightning.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -152,6 +152,7 @@ def test_ddp_two_ranks_resume_in_a_fresh_process_is_exact(tmp_path: Path) -> Non
     assert not (gen / "g3.pt").exists()
 
 
+@pytest.mark.frameworks  # make test-frameworks: each runs ~60 s of Lightning
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_model_parallel_fsdp2_two_ranks_saves_its_shards_and_resumes_exactly(
@@ -189,6 +190,7 @@ def test_model_parallel_fsdp2_two_ranks_saves_its_shards_and_resumes_exactly(
     assert failure["error"] == "CorruptCheckpointError", failure
 
 
+@pytest.mark.frameworks  # make test-frameworks: each runs ~60 s of Lightning
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_fsdp1_two_ranks_killed_in_a_save_resumes_exactly_from_the_newest(tmp_path: Path) -> None:
