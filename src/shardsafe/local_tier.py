@@ -247,6 +247,7 @@ class LocalTier:
             content_metadata,
             self.timeout,
             self.lease_ttl,
+            self.dead_after,
         )
         # every other place's leader takes the lease there and makes the work directory
         lease: Lease | None = planned.lease
