@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import faulthandler
 import json
 import logging
 import multiprocessing as mp
@@ -160,18 +161,17 @@ def draw(seed: int) -> Fault:
     return f
 
 
-def seeds_for(wanted: list[tuple[str, str | None]], start: int = 0) -> list[int]:
-    """The first seed from ``start`` on whose fault is each (kind, stage) of ``wanted`` (stage
-    None: any), in order: a fixed set of cycles covering chosen kinds, for the test suite."""
+def seeds_for(wanted: list[dict[str, Any]], start: int = 0) -> list[int]:
+    """For each entry of ``wanted`` (fields of :class:`Fault` and their values), the first seed
+    from ``start`` on whose fault has them, in order: a fixed set of cycles covering chosen
+    faults, for the test suite."""
     seeds = []
     seed = start
-    for kind, stage in wanted:
-        while True:
-            f = draw(seed)
+    for fields in wanted:
+        while not all(getattr(draw(seed), k) == v for k, v in fields.items()):
             seed += 1
-            if f.kind == kind and (stage is None or f.stage == stage):
-                seeds.append(seed - 1)
-                break
+        seeds.append(seed)
+        seed += 1
     return seeds
 
 
@@ -395,6 +395,8 @@ def _rank_main(
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
+    # a hung phase is killed at PHASE_TIMEOUT: every thread's stack into the log first
+    faulthandler.dump_traceback_later(PHASE_TIMEOUT - 10, exit=False)
     logging.basicConfig(
         filename=os.path.join(tmp, "logs", f"{phase}.rank{rank}.log"),
         level=logging.INFO,
