@@ -12,7 +12,9 @@ log. A cycle:
    after step s is a function of s: the reference is computed, not run again) for 5 steps,
    saving every step to the local tier (one copy on the other host) and every 2nd step to the
    persistent tier (through the local tier with ``drain=True`` in some cycles),
-   ``dead_after`` 2 s.
+   ``dead_after`` 3 s (the least :mod:`shardsafe.liveness` takes). The process group's store
+   is hosted by this harness, as torchrun's agent hosts it, in 3 cycles of 4, by rank 0 (a
+   ``tcp://`` rendezvous) in the others.
 2. **One fault**, drawn from: SIGKILL of a rank (``kill-rank``) or of both ranks of a host
    (``kill-host``), or SIGSTOP of a rank (``stop-rank``), each at a random moment of one stage
    of a save (``staging``, ``writing``, ``copying`` to peers, ``committing``, ``draining``) or
@@ -1019,6 +1021,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    # a stopped run still kills its ranks and deletes its directories (the finally blocks)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ctx = context()
     seeds = (
         [args.replay]
