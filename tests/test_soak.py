@@ -30,11 +30,19 @@ pytestmark = pytest.mark.timeout(600)
 WANTED: list[dict[str, Any]] = [
     {"kind": "kill-rank", "stage": "writing"},
     {"kind": "kill-host", "stage": "committing", "tier": "local"},
-    # at a step with no persistent save: a rank stopped in a gloo collective (the local tier's
-    # copy rounds, a save's planning) is still waited for up to the group's timeout (60 s)
-    {"kind": "stop-rank", "stage": "committing", "tier": "local", "store": "agent", "step": 3},
+    # stopped as its local commit begins, at a step with no persistent save: a rank stopped
+    # in a gloo collective (the local tier's copy rounds, a save's planning after its arrival)
+    # is still waited for up to the group's timeout (60 s), see README "Recovery soak"
+    {
+        "kind": "stop-rank",
+        "stage": "committing",
+        "tier": "local",
+        "store": "agent",
+        "step": 3,
+        "delay": lambda d: d < 0.003,
+    },
     {"kind": "kill-rank", "stage": "restoring"},
-    {"kind": "flip", "tier": "local"},
+    {"kind": "flip", "tier": "local", "target_file": "data"},  # a manifest: README "Recovery soak"
     {"kind": "truncate", "tier": "persistent"},
     {"kind": "full-disk"},
     {"kind": "stale-lease", "tier": "persistent"},
