@@ -345,7 +345,16 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}", "error_time": time.time(), "step": step}
     mgr.close()
+    _last_out()
     return {"done": STEPS}
+
+
+def _last_out() -> None:
+    """A job that ends well leaves together: with a ``tcp://`` rendezvous rank 0's process
+    hosts the store, and exiting first would cut off ranks still reading a commit outcome."""
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def restart(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -383,6 +392,7 @@ def restart(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         mgr.save(nxt, state)
         mgr.wait()
         mgr.close()
+        _last_out()
     except Exception as e:
         out["continue_error"] = f"{type(e).__name__}: {e}"
     return out
