@@ -33,8 +33,9 @@ Each cycle checks (a failed check fails the cycle, with its seed):
 - the restored state equals the uninterrupted run's at the step restore reports, on every rank;
 - that step is the *expected* one: the newest step with an intact copy the restart can reach:
   a persistent step whose manifest and files are all present, full-sized and not the damaged
-  file, or a local step whose manifest and every file have such a copy in a place (node id +
-  local root) of the restart's layout. Steps committed before the fault must all still be
+  file (in the step's directory, or in the work directory of a save that died after writing
+  its manifest there, which the restart's clean-up puts back), or a local step whose manifest
+  and every file have such a copy in a place (node id + local root) of the restart's layout. Steps committed before the fault must all still be
   there (none lost that the fault did not touch); the step being saved when a process fault
   struck counts only where it committed;
 - every surviving rank of a process fault or a full disk raised an error (a save never
@@ -610,23 +611,42 @@ def _intact_files(step_dir: str, damaged: set[str]) -> tuple[dict[str, int] | No
     return files, intact
 
 
+def _step_dirs(d: str | None) -> dict[int, list[str]]:
+    """Each step's directories under ``d`` that hold a manifest: the step itself, else the work
+    directories of a save that died after writing its manifest there and before renaming it
+    into place, which the restart's clean-up puts back as the step
+    (:meth:`shardsafe.directory.CheckpointDirectory.recover`)."""
+    found: dict[int, list[str]] = {}
+    if d is None or not os.path.isdir(d):
+        return found
+    for n in sorted(os.listdir(d)):
+        name = n[1:].split(".shardsafe-tmp-")[0] if ".shardsafe-tmp-" in n else n
+        if name.startswith("step_") and os.path.exists(os.path.join(d, n, "manifest.json")):
+            found.setdefault(int(name.removeprefix("step_")), []).append(os.path.join(d, n))
+    for s, dirs in found.items():
+        main = os.path.join(d, f"step_{s:09d}")
+        if main in dirs:
+            found[s] = [main]
+    return found
+
+
 def expected_step(tmp: str, layout: list[str], damaged: set[str]) -> int | None:
     """The newest step with an intact copy the restart can reach (see the module docstring)."""
     best: int | None = None
-    pdir = os.path.join(tmp, "persistent")
-    for s in _steps_in(pdir):
-        files, intact = _intact_files(os.path.join(pdir, f"step_{s:09d}"), damaged)
+    for s, dirs in _step_dirs(os.path.join(tmp, "persistent")).items():
+        files, intact = _intact_files(dirs[0], damaged)
         if files is not None and set(files) == intact:
             best = max(best or 0, s)
-    places = [d for d in (_place_dir(tmp, h) for h in sorted(set(layout))) if d is not None]
-    for s in sorted({s for d in places for s in _steps_in(d)}):
+    places = [_step_dirs(_place_dir(tmp, h)) for h in sorted(set(layout))]
+    for s in sorted({s for p in places for s in p}):
         manifest: dict[str, int] | None = None
         have: set[str] = set()
-        for d in places:
-            files, intact = _intact_files(os.path.join(d, f"step_{s:09d}"), damaged)
-            if files is not None:
-                manifest = files
-                have |= intact
+        for p in places:
+            for step_dir in p.get(s, [])[:1]:
+                files, intact = _intact_files(step_dir, damaged)
+                if files is not None:
+                    manifest = files
+                    have |= intact
         if manifest is not None and set(manifest) <= have:
             best = max(best or 0, s)
     return best
