@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 
-.PHONY: demo test test-megatron019 test-frameworks lint bench clean venv venv312
+.PHONY: demo test test-megatron019 test-frameworks lint bench soak clean venv venv312
 
 # megatron-core 0.17+ needs Python >= 3.12, the main venv's dev extra pins 0.16.1: the tests
 # against megatron-core 0.19 run in a second venv made from the first working Python 3.12 found
@@ -82,6 +82,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_save_load.py
+
+# recovery soak: cycles of train -> one random fault -> restart in a random layout (README
+# "Recovery soak"); a failed cycle prints its seed, `benchmarks/soak.py --replay SEED` reruns it
+soak: $(STAMP)
+	$(BIN)/python benchmarks/soak.py --cycles 500
 
 clean:
 	rm -rf $(VENV) $(VENV312) build dist src/*.egg-info .pytest_cache .hypothesis
