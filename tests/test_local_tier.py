@@ -393,15 +393,20 @@ def test_places_disagreeing_on_a_manifest_fall_back_a_step(
         assert (place(run, host) / ".step_000000013.shardsafe-damaged").exists(), host
 
 
-def test_a_place_with_an_unreadable_manifest_skips_the_step(trained: Path, tmp_path: Path) -> None:
+def test_a_place_with_an_unreadable_manifest_takes_the_step_from_another(
+    trained: Path, tmp_path: Path
+) -> None:
     run = fresh_copy(trained, tmp_path)
     # host a holds every file of step 13 (its own and its copies of b's), host b's manifest
-    # is garbage: b's directory is in the way of a fetched copy, so the step is not used
-    (place(run, "b") / "step_000000013" / "manifest.json").write_text("{not json")
+    # is garbage: b's copy is not used, the step comes from a's, b's directory is replaced
+    bad = place(run, "b") / "step_000000013" / "manifest.json"
+    bad.write_text("{not json")
     results = run_ranks(_restore, 2, str(run), ["a", "b"], timeout=240, start_method="forkserver")
-    assert {r["restored"] for r in results} == {12}
+    assert {r["restored"] for r in results} == {13}
     assert all(r["tier"] == "local" for r in results)
-    check_exact(results, 12)
+    check_exact(results, 13)
+    assert bad.read_bytes() == (place(run, "a") / "step_000000013" / "manifest.json").read_bytes()
+    assert not [p for p in place(run, "b").iterdir() if "unreadable" in p.name]
 
 
 def test_a_drained_step_stays_committed_when_its_bookkeeping_fails(

@@ -52,12 +52,15 @@ def inventory(tier: LocalPlaces) -> dict[str, Any]:
         damaged = tier.dir.damaged()
         for name in tier.dir.committed():
             entry = _held(tier.dir, name)
-            entry["damaged"] = name in damaged or entry.pop("unreadable", False)
+            entry["damaged"] = name in damaged
             report["steps"][name] = entry
     reports = _gather(tier, report, "the local tier's inventory")
     held: dict[Place, dict[str, dict[str, int]]] = {}
     votes: dict[str, dict[str, tuple[int, dict[str, int]]]] = {}
     damaged_anywhere: set[str] = set()
+    # places whose copy of a step has no readable manifest: they hold none of it (the step
+    # comes from the others' copies, and the restore moves that directory out of the way)
+    unreadable: dict[str, list[Place]] = {}
     leaders = [
         (tier.places[r], _checked_report(rep, f"rank {r} ({tier.places[r][0]})"))
         for r, rep in enumerate(reports)
@@ -67,6 +70,9 @@ def inventory(tier: LocalPlaces) -> dict[str, Any]:
         for name, entry in rep["steps"].items():
             if entry.get("damaged"):
                 damaged_anywhere.add(name)
+            if entry.get("unreadable"):
+                unreadable.setdefault(name, []).append(place)
+                continue
             held.setdefault(place, {})[name] = entry["held"]
             count, files = votes.setdefault(name, {}).get(entry["digest"], (0, entry["files"]))
             votes[name][entry["digest"]] = (count + 1, files)
@@ -76,7 +82,7 @@ def inventory(tier: LocalPlaces) -> dict[str, Any]:
     conflicts: dict[str, list[str]] = {}
     for place, rep in leaders:
         for name, entry in rep["steps"].items():
-            if len(votes[name]) > 1:
+            if not entry.get("unreadable") and len(votes[name]) > 1:
                 conflicts.setdefault(name, []).append(f"{place[0]}:{place[1]} {entry['digest']}")
     for name, by_digest in votes.items():
         digest = max(sorted(by_digest), key=lambda d: by_digest[d][0])
@@ -85,7 +91,7 @@ def inventory(tier: LocalPlaces) -> dict[str, Any]:
     # a place whose manifest differs from the majority's holds none of that step's files
     for place, rep in leaders:
         for name, entry in rep["steps"].items():
-            if entry["digest"] != digests[name]:
+            if not entry.get("unreadable") and entry["digest"] != digests[name]:
                 held.get(place, {}).pop(name, None)
     complete = [n for n in complete_steps(held, manifests) if n not in damaged_anywhere]
     return {
@@ -94,6 +100,7 @@ def inventory(tier: LocalPlaces) -> dict[str, Any]:
         "manifests": manifests,
         "digests": digests,
         "conflicts": conflicts,
+        "unreadable": unreadable,
     }
 
 
@@ -166,7 +173,7 @@ def restore(
     _fetch(tier, needed, held, sizes, dir_of, token, check)
     err = None
     if not here and tier.leader:
-        _, err = outcome(lambda: storage.rename(base, name))
+        _, err = outcome(lambda: _publish_fetched(tier, storage, base, name, inv))
     _agree(tier, err, f"restore of local step {name}")  # every place has published its directory
     path = os.path.join(tier.root, name)
     try:
@@ -190,6 +197,26 @@ def restore(
         "y" if len(refused) == 1 else "ies",
     )
     return load_into(path)
+
+
+def _publish_fetched(
+    tier: LocalPlaces, storage: Any, fetched: str, name: str, inv: Mapping[str, Any]
+) -> None:
+    """Rename the fetched copy of step ``name`` into place; a copy of it here whose manifest
+    could not be read is moved aside first (and then deleted: the step is whole again)."""
+    if tier.place in inv.get("unreadable", {}).get(name, ()) and storage.exists(name):
+        aside = locate(os.path.join(tier.root, name)).tmp_name("unreadable")
+        log.warning(
+            "restore: local step %s: replacing %s, whose manifest is unreadable, with the "
+            "copy fetched from other hosts",
+            name,
+            tier.dir.path(name),
+        )
+        storage.rename(name, aside)
+        storage.rename(fetched, name)
+        storage.remove_tree(aside)
+    else:
+        storage.rename(fetched, name)
 
 
 def _verify_held(
@@ -399,9 +426,12 @@ def _held(directory: StepDirectory, name: str) -> dict[str, Any]:
         raw = storage.read_bytes(f"{name}/{MANIFEST_NAME}")
         manifest = Manifest.loads(raw, storage.describe(f"{name}/{MANIFEST_NAME}"))
     except Exception as e:
-        # other places may hold a good copy, but this one's directory is in the way: the
-        # step is not restored from the local tier at all
-        log.warning("local tier: %s is unreadable, step skipped: %s", directory.path(name), e)
+        # other places may hold a good copy: this one counts as holding none of the step
+        log.warning(
+            "local tier: %s is unreadable, this copy of the step is not used: %s",
+            directory.path(name),
+            e,
+        )
         return {"digest": "", "files": {}, "held": {}, "unreadable": True}
     held: dict[str, int] = {MANIFEST_NAME: len(raw)}
     for f in manifest.files:
