@@ -72,6 +72,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -285,23 +286,37 @@ class _Armed:
         if stage == "writing":
             faultinject.patch_data_writes(int(f["write_bytes"]), self.fire)
             return
-        targets: dict[str, list[tuple[Any, str]]] = {
-            "staging": [(shardsafe.staging.StagingPool, "stage")],
-            "copying": [(shardsafe.local_tier, "exchange_files")],
+
+        def local_commit(saver: Any, *_: Any) -> bool:  # both tiers commit in Saver._commit
+            return isinstance(saver.target, shardsafe.local_tier.PlaceTarget)
+
+        def any_call(*_: Any) -> bool:
+            return True
+
+        targets: dict[str, list[tuple[Any, str, Callable[..., bool]]]] = {
+            "staging": [(shardsafe.staging.StagingPool, "stage", any_call)],
+            "copying": [(shardsafe.local_tier, "exchange_files", any_call)],
             "committing": [
-                (shardsafe.local_tier.LocalTier, "_commit")
-                if f["tier"] == "local"
-                else (shardsafe.saver.Saver, "_commit")
+                (
+                    shardsafe.saver.Saver,
+                    "_commit",
+                    local_commit
+                    if f["tier"] == "local"
+                    else (lambda saver, *_: not local_commit(saver)),
+                )
             ],
-            "draining": [(shardsafe.local_tier, "_copy_file")],
-            "restoring": [(shardsafe.local_restore, "_fetch"), (shardsafe.manager, "load")],
+            "draining": [(shardsafe.local_tier, "_copy_file", any_call)],
+            "restoring": [
+                (shardsafe.local_restore, "_fetch", any_call),
+                (shardsafe.manager, "load", any_call),
+            ],
         }
         shot = [False]
-        for owner, name in targets[stage]:
+        for owner, name, when in targets[stage]:
             original = getattr(owner, name)
 
-            def hooked(*a: Any, _original: Any = original, **k: Any) -> Any:
-                if not shot[0]:
+            def hooked(*a: Any, _original: Any = original, _when: Any = when, **k: Any) -> Any:
+                if not shot[0] and _when(*a):
                     shot[0] = True
                     self.later()
                 return _original(*a, **k)

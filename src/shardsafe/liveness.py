@@ -28,6 +28,10 @@ every waiting rank raises the same :class:`~shardsafe.errors.DistributedError`. 
   exchange's peers and hands its verdict to a callback instead of a key, so a peer that died
   or froze mid-round is named on the ranks in the round within ``dead_after + 2 * INTERVAL``
   s, and on the others by the next wait (the commit's, or a restore's next arrival);
+* silence is measured from when this process first saw the rank's counter at its present
+  value, whichever wait looked: a rank named by one wait is named again by the next one at
+  its first look, so the verdict does not take ``dead_after`` once more for each wait it
+  passes through (a copy round, then the commit);
 * a save's commit (:mod:`shardsafe.signals`) watches this heartbeat too; while its channel is
   open every rank beats every ``min(0.5, dead_after / 4)`` s (:meth:`Heartbeat.hasten`), and a
   verdict fills the key of each rank lost (``each``) rather than one wait's key;
@@ -94,7 +98,6 @@ class Watch:
     stage: str
     dead_after: float
     start_within: float
-    seen: dict[int, tuple[int, float]] = field(default_factory=dict)
     arrived: set[int] = field(default_factory=set)  # an arrival key stays until the wait ends
     notify: Callable[[dict[str, Any]], None] | None = None
     verdict: dict[str, Any] | None = None
@@ -117,6 +120,10 @@ class Heartbeat:
             self.client = store
         self.global_rank = global_rank
         self._watches: dict[int, Watch] = {}
+        # global rank -> (its beat counter, when this process first saw that value): shared by
+        # every wait, so a rank already silent when a wait starts (named by an earlier one a
+        # moment ago) is not granted a fresh ``dead_after`` by each later wait
+        self._observed: dict[int, tuple[int, float]] = {}
         self._rates: dict[int, float] = {}  # faster beats asked for while a commit waits
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -207,17 +214,18 @@ class Heartbeat:
                 self._beat()
             g = w.global_rank(r)
             beats = int(self.client.add(beat_key(g), 0))
-            if r not in w.seen or w.seen[r][0] != beats:
-                w.seen[r] = (beats, now)
+            seen = self._observed.get(g)
+            if seen is None or seen[0] != beats:
+                self._observed[g] = (beats, now)
                 continue
-            if now - w.seen[r][1] <= (w.dead_after if beats else w.start_within):
+            if now - seen[1] <= (w.dead_after if beats else w.start_within):
                 continue
             name = f"rank {r}" if g == r else f"rank {r} (global rank {g})"
             why = "never started heartbeating" if beats == 0 else "stopped heartbeating"
             doing = w.doing or f"the others waited for it to reach '{w.stage}'"
             verdict = {
                 "rank": r,
-                "message": f"{name} on {self.host(g)} {why} {now - w.seen[r][1]:.1f} s ago while "
+                "message": f"{name} on {self.host(g)} {why} {now - seen[1]:.1f} s ago while "
                 f"{doing} (its process died or is frozen, or its host was lost)",
             }
             w.verdict = verdict
