@@ -279,3 +279,42 @@ def test_rank_lost_in_a_restore_copy_round_is_named_on_every_survivor(tmp_path: 
         assert "stopped heartbeating" in rec["message"], rec
         assert rec["rank_errors"] == {"2": "dead"}, rec
         assert rec["seconds"] < COPY_BOUND, rec
+
+
+def _lost_in_a_collective(rank: int, world: int, base: str, how: str) -> None:
+    """Every rank arrives; rank 2 then dies or freezes before its part of an all-gather,
+    which the others are already blocked in (no arrival guards it)."""
+    from shardsafe.dist import get_comm
+
+    out = Path(base)
+    comm = get_comm()
+    comm.dead_after = DEAD
+    comm.arrive("before the all-gather", TIMEOUT, DEAD)
+    if rank == 2:
+        (out / "pid2").write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        time.sleep(TIMEOUT)
+    _survive(rank, out, lambda: comm.all_gather({"rank": rank}))
+    if rank == 0 and how == "stop":  # the frozen rank would otherwise outlive the test
+        os.kill(int((out / "pid2").read_text()), signal.SIGKILL)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_rank_lost_inside_a_collective_is_named_on_every_survivor(tmp_path: Path, how: str) -> None:
+    try:  # the group's own timeout (120 s) is not what must end the survivors' wait
+        with pytest.raises(RankFailure) as failed:
+            run_ranks(_lost_in_a_collective, WORLD, str(tmp_path), how, timeout=200, pg_timeout=120)
+        assert set(failed.value.errors) == {2}, failed.value.errors
+    finally:
+        if (tmp_path / "pid2").exists():
+            try:
+                os.kill(int((tmp_path / "pid2").read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for r in (0, 1):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "DistributedError", rec
+        assert f"rank 2 on {socket.gethostname()}" in rec["message"], rec
+        assert "stopped heartbeating" in rec["message"], rec
+        assert rec["seconds"] < BOUND, rec

@@ -12,7 +12,8 @@ heartbeating for ``dead_after`` s (``compare_set``: the first of the two wins fo
 So a rank that died or froze since the last operation is named with its host on every
 waiting rank within ``dead_after`` + 2 s, and one that is alive but slow is waited for up to
 ``timeout``. :meth:`Comm.with_peers` does the same for a point-to-point exchange with a few
-peers (the local tier's copy rounds), which no store key ends.
+peers (the local tier's copy rounds), which no store key ends, and every collective of a
+:class:`Comm` runs under it (:meth:`Comm._guarded`), so a rank lost inside one is named too.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Comm:
     rank: int = 0
     world_size: int = 1
     distributed: bool = False
+    dead_after: float = DEAD_AFTER  # a rank silent this long in a collective is named dead
 
     @property
     def is_coordinator(self) -> bool:
@@ -146,6 +148,7 @@ class Comm:
         peers: Iterable[int],
         stage: str,
         dead_after: float = DEAD_AFTER,
+        verdict_key: str | None = None,
     ) -> T:
         """``fn()``, a blocking exchange of point-to-point messages with ``peers`` (group
         ranks), raising a :class:`DistributedError` naming a peer and its host as soon as it
@@ -157,7 +160,9 @@ class Comm:
         the group's own timeout and the group is not to be used again. A peer that is slow but
         beating is waited for (up to that timeout). When ``fn`` raises (gloo saw a peer's
         connection close), the verdict on the dead peer is awaited for up to ``dead_after``
-        + 3 s so that the error names it; otherwise the error says what gloo said.
+        + 3 s so that the error names it; otherwise the error says what gloo said. With
+        ``verdict_key``, a verdict is also written there and one found there (another rank's,
+        on a peer this rank does not look at) ends this rank's wait too.
         """
         awaited = sorted(set(peers) - {self.rank})
         if not self.distributed or not awaited:
@@ -178,7 +183,7 @@ class Comm:
                 ended.set()
 
         watch = Watch(
-            None,
+            verdict_key,
             lambda r: "",
             awaited,
             self.global_rank,
@@ -187,6 +192,7 @@ class Comm:
             dead_after_of(dead_after),
             start_within_of(dead_after, float("inf")),
             notify=lambda _verdict: ended.set(),
+            relay=verdict_key is not None,
         )
         handle = beat.watch(watch)
         try:
@@ -213,14 +219,35 @@ class Comm:
             ) from e
         raise AssertionError("unreachable: the exchange ended without a result or an error")
 
+    def _guarded(self, fn: Callable[[], None], what: str, root: int | None) -> None:
+        """Run the collective ``fn`` under the heartbeat: a rank that dies or freezes in it is
+        named on every rank within ``dead_after`` (+ 3 s) instead of holding them until the
+        group's timeout. The coordinator looks at every rank, the others at the coordinator
+        and their two ring neighbours (gloo's all-gather is a ring; its gather, scatter and
+        broadcast go through the root); a verdict goes into a key of this collective that
+        every rank's heartbeat looks at, so each raises it. A collective's cost: one store
+        request per rank, and the store's reads only while it lasts past a heartbeat."""
+        try:
+            store = _store()
+            base = f"shardsafe/collective/{_group_tag(self)}/{self._next_sequence(store)}"
+        except Exception as e:  # no store to watch through: gloo's own timeout bounds it
+            try:
+                fn()
+            except Exception as e2:
+                raise self._collective_failed(e2, root) from e
+            return
+        n = self.world_size
+        watched = range(n) if self.is_coordinator else {0, (self.rank - 1) % n, (self.rank + 1) % n}
+        self.with_peers(fn, watched, what, self.dead_after, verdict_key=f"{base}/dead")
+
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        try:
-            tdist.all_gather_object(out, json.dumps(obj), group=self.group)
-        except Exception as e:
-            raise self._collective_failed(e, None) from e
+        payload = json.dumps(obj)
+        self._guarded(
+            lambda: tdist.all_gather_object(out, payload, group=self.group), "an all-gather", None
+        )
         return [json.loads(s) for s in out]
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -228,10 +255,12 @@ class Comm:
         if not self.distributed:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        try:
-            tdist.gather_object(json.dumps(obj), out, dst=self.global_rank(0), group=self.group)
-        except Exception as e:
-            raise self._collective_failed(e, 0) from e
+        payload = json.dumps(obj)
+        self._guarded(
+            lambda: tdist.gather_object(payload, out, dst=self.global_rank(0), group=self.group),
+            "a gather to rank 0",
+            0,
+        )
         return [json.loads(s) for s in out] if out is not None else None
 
     def broadcast(self, obj: Any) -> Any:
@@ -239,10 +268,11 @@ class Comm:
         if not self.distributed:
             return obj
         box = [json.dumps(obj) if self.is_coordinator else None]
-        try:
-            tdist.broadcast_object_list(box, src=self.global_rank(0), group=self.group)
-        except Exception as e:
-            raise self._collective_failed(e, 0) from e
+        self._guarded(
+            lambda: tdist.broadcast_object_list(box, src=self.global_rank(0), group=self.group),
+            "a broadcast from rank 0",
+            0,
+        )
         return json.loads(box[0])  # type: ignore[arg-type]
 
     def scatter(self, objs: list[Any] | None) -> Any:
@@ -252,10 +282,13 @@ class Comm:
             return objs[0]
         out: list[Any] = [None]
         inputs = [json.dumps(o) for o in objs] if self.is_coordinator and objs is not None else None
-        try:
-            tdist.scatter_object_list(out, inputs, src=self.global_rank(0), group=self.group)
-        except Exception as e:
-            raise self._collective_failed(e, 0) from e
+        self._guarded(
+            lambda: tdist.scatter_object_list(
+                out, inputs, src=self.global_rank(0), group=self.group
+            ),
+            "a scatter from rank 0",
+            0,
+        )
         return json.loads(out[0])
 
     def _collective_failed(self, e: Exception, root: int | None) -> DistributedError:

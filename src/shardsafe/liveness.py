@@ -28,6 +28,10 @@ every waiting rank raises the same :class:`~shardsafe.errors.DistributedError`. 
   exchange's peers and hands its verdict to a callback instead of a key, so a peer that died
   or froze mid-round is named on the ranks in the round within ``dead_after + 2 * INTERVAL``
   s, and on the others by the next wait (the commit's, or a restore's next arrival);
+* every collective of a :class:`~shardsafe.dist.Comm` runs under the same guard, with a
+  verdict key per collective that each rank's heartbeat relays (the coordinator looks at every
+  rank, the others at the coordinator and their ring neighbours), so a rank frozen between an
+  arrival and the collective after it is named on every rank within ``dead_after + 3`` s;
 * silence is measured from when this process first saw the rank's counter at its present
   value, whichever wait looked: a rank named by one wait is named again by the next one at
   its first look, so the verdict does not take ``dead_after`` once more for each wait it
@@ -107,6 +111,7 @@ class Watch:
     log_every: float = 0.0  # log the ranks still awaited (alive) this often; 0: never
     last_log: float = field(default_factory=time.monotonic)
     named: set[int] = field(default_factory=set)
+    relay: bool = False  # a verdict another rank wrote into ``done_key`` is handed to ``notify``
 
 
 class Heartbeat:
@@ -191,9 +196,13 @@ class Heartbeat:
         """Write the verdict on the first awaited rank that stopped beating into ``w.done_key``
         (or hand it to ``w.notify``)."""
         keys = w.keys if w.keys is not None else self.client
-        if (w.verdict is not None and not w.each) or (
-            w.done_key is not None and keys.check([w.done_key])
-        ):
+        if w.verdict is not None and not w.each:
+            return
+        if w.done_key is not None and keys.check([w.done_key]):
+            if w.relay and w.verdict is None:  # another rank named one of the group
+                w.verdict = json.loads(bytes(keys.get(w.done_key)).decode())
+                if w.notify is not None:
+                    w.notify(w.verdict)
             return
         now = time.monotonic()
         if w.coordinator:

@@ -259,6 +259,7 @@ def load(
     strict = StrictHandling(strict)
     direct_io = direct_io_mode(direct_io)
     comm = get_comm(process_group)
+    comm.dead_after = dead_after
     t0 = time.perf_counter()
     # another framework's directory, e.g. Megatron-Core torch_dist (see register_foreign_loader)
     foreign = FOREIGN_LOADERS.find(path)

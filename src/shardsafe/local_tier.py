@@ -264,6 +264,7 @@ class LocalTier:
         identity = run_identity(os.fspath(persistent_root), run_id)
         self.process_group = process_group
         self.comm = get_comm(process_group)
+        self.comm.dead_after = dead_after
         self.base = os.path.abspath(text)
         """The ``local_root`` as given: this run's steps are in its directory :attr:`root`."""
         self.host = str(node_id) if node_id is not None else socket.gethostname()

@@ -204,7 +204,11 @@ class Saver:
     def comm(self) -> Comm:
         """The ranks that save together."""
         pg = self.process_group
-        return pg if isinstance(pg, Comm) else get_comm(pg)
+        if isinstance(pg, Comm):
+            return pg
+        comm = get_comm(pg)
+        comm.dead_after = self.dead_after  # its collectives name a lost rank this fast too
+        return comm
 
     # -- ahead of the first save -------------------------------------------------------------
     def prepare(
