@@ -34,6 +34,20 @@ def kill_self() -> NoReturn:
         time.sleep(1)
 
 
+def kill_every_rank(root: str, world: int) -> NoReturn:
+    """SIGKILL every rank of a generation at once (each wrote its pid to ``root/pid-<rank>``),
+    this one last: the whole job dies together, as when its node allocation is lost."""
+    for rank in range(world):
+        with open(os.path.join(root, f"pid-{rank}")) as f:
+            pid = int(f.read())
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    kill_self()
+
+
 def no_space() -> NoReturn:
     """What a write into a full file system raises."""
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -379,23 +378,9 @@ def _save_step(model: Any, optim: Any, step: int, path: str) -> None:
     dcp.save({"model": msd, "optim": osd, "step": step}, storage_writer=Writer(path))
 
 
-def _kill_every_rank(root: str, world: int) -> None:
-    """SIGKILL every rank at once (their pids are in ``root``), this one last."""
-    from faultinject import kill_self
-
-    for rank in range(world):
-        pid = int(Path(root, f"pid-{rank}").read_text())
-        if pid != os.getpid():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    kill_self()
-
-
 def _killed_run(rank: int, world: int, root: str) -> None:
     """Trains 2 steps and saves; trains 2 more and is SIGKILLed (every rank) mid-write."""
-    from faultinject import patch_data_writes
+    from faultinject import kill_every_rank, patch_data_writes
     from torch.distributed.device_mesh import init_device_mesh
 
     Path(root, f"pid-{rank}").write_text(str(os.getpid()))
@@ -405,7 +390,7 @@ def _killed_run(rank: int, world: int, root: str) -> None:
     _train(model, optim, rank, 1, 2)
     _save_step(model, optim, 2, f"{root}/step-2")
     _train(model, optim, rank, 3, 4)
-    patch_data_writes(16, lambda: _kill_every_rank(root, world))
+    patch_data_writes(16, lambda: kill_every_rank(root, world))
     _save_step(model, optim, 4, f"{root}/step-4")
     raise AssertionError("the second save was not killed")
 

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -186,24 +185,10 @@ def _uninterrupted_at(rank: int, world: int, middle: int, steps: int) -> bytes:
     return _bytes({"middle": at_middle, "end": _digest(parts)})
 
 
-def _kill_every_rank(root: str, world: int) -> None:
-    """SIGKILL every rank of the generation at once (their pids are in ``root``), this one last."""
-    from faultinject import kill_self
-
-    for rank in range(world):
-        pid = int(Path(root, f"pid-{rank}").read_text())
-        if pid != os.getpid():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    kill_self()
-
-
 def _killed_generation(rank: int, world: int, root: str, async_mode: str) -> None:
     """Trains and saves steps 2, 4, 6, then every rank is SIGKILLed 16 bytes into the data of
     step 8's save."""
-    from faultinject import patch_data_writes
+    from faultinject import kill_every_rank, patch_data_writes
 
     Path(root, f"pid-{rank}").write_text(str(os.getpid()))
     parts = _setup(rank, world, seed=0)
@@ -211,7 +196,7 @@ def _killed_generation(rank: int, world: int, root: str, async_mode: str) -> Non
     assert manager.load() is False  # a fresh start
     _train(parts, 6, manager)
     manager.maybe_wait_for_saving()  # step 6 committed
-    patch_data_writes(16, lambda: _kill_every_rank(root, world))
+    patch_data_writes(16, lambda: kill_every_rank(root, world))
     _train(parts, 2, manager)
     manager.maybe_wait_for_saving()
     raise AssertionError("the save of step 8 was not killed")
