@@ -97,3 +97,26 @@ def test_foreign_and_old_lock_files(tmp_path: Path) -> None:
         Lease.acquire(storage, REL, "n" * 16)
     (tmp_path / REL).write_text(f"{socket.gethostname()} {dead_pid()} {time.time():.0f}")
     assert lease_state(storage, REL) == "expired"  # an earlier version's lock of a dead process
+
+
+def test_a_lease_file_is_never_left_half_written(tmp_path, monkeypatch):
+    """A process that dies while writing a lease must leave nothing at the lease's name: an
+    empty or partial file there would refuse every later save of that step."""
+    import os
+
+    from shardsafe.storage.local import LocalStorage
+
+    storage = LocalStorage(str(tmp_path))
+
+    def dies(fd):  # the process is killed after creating the file, before its bytes are durable
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", dies)
+    with pytest.raises(KeyboardInterrupt):
+        storage.create_exclusive(".step_000000002.shardsafe-lock", b'{"owner": "x"}')
+    monkeypatch.undo()
+    assert not (tmp_path / ".step_000000002.shardsafe-lock").exists()
+    assert storage.create_exclusive(".step_000000002.shardsafe-lock", b"one")
+    assert not storage.create_exclusive(".step_000000002.shardsafe-lock", b"two")
+    assert (tmp_path / ".step_000000002.shardsafe-lock").read_bytes() == b"one"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step_000000002.shardsafe-lock"]

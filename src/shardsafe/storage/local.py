@@ -176,8 +176,36 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Written whole under a name of its own, then hard-linked at ``rel`` (``link`` fails
+        where anything exists): a process killed midway leaves no empty or partial file at
+        ``rel`` (a lease name that holds one would refuse every later save of that step).
+        File systems without hard links: ``O_EXCL`` create, then write."""
         path = self.path(rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        directory, name = os.path.split(path)
+        os.makedirs(directory, exist_ok=True)
+        staged = os.path.join(directory, f".{name}.{os.getpid()}-{os.urandom(4).hex()}.new")
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(staged, path)
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
+                    raise
+                return self._create_exclusive_in_place(path, data)
+            return True
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(staged)
+
+    @staticmethod
+    def _create_exclusive_in_place(path: str, data: bytes) -> bool:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
