@@ -160,9 +160,10 @@ class Comm:
         the group's own timeout and the group is not to be used again. A peer that is slow but
         beating is waited for (up to that timeout). When ``fn`` raises (gloo saw a peer's
         connection close), the verdict on the dead peer is awaited for up to ``dead_after``
-        + 3 s so that the error names it; otherwise the error says what gloo said. With
-        ``verdict_key``, a verdict is also written there and one found there (another rank's,
-        on a peer this rank does not look at) ends this rank's wait too.
+        + 4 s (this rank looking at once) so that the error names it; otherwise the error
+        says what gloo said. With ``verdict_key``, a verdict is also written there and one
+        found there (another rank's, on a peer this rank does not look at) ends this rank's
+        wait too.
         """
         awaited = sorted(set(peers) - {self.rank})
         if not self.distributed or not awaited:
@@ -198,8 +199,9 @@ class Comm:
         try:
             threading.Thread(target=run, name="shardsafe-exchange", daemon=True).start()
             ended.wait()
-            if watch.verdict is None and "error" in box:
-                grace = time.monotonic() + dead_after_of(dead_after) + 3 * INTERVAL
+            if watch.verdict is None and "error" in box:  # gloo saw a connection close
+                beat.look_now()
+                grace = time.monotonic() + dead_after_of(dead_after) + 4 * INTERVAL
                 while watch.verdict is None and time.monotonic() < grace:
                     time.sleep(INTERVAL / 4)
         finally:

@@ -150,6 +150,11 @@ class Heartbeat:
         with self._lock:
             self._watches.pop(handle, None)
 
+    def look_now(self) -> None:
+        """Beat and look at the watched ranks now rather than at the next interval (a wait
+        that just learnt from elsewhere that a peer may be gone starts its clock at once)."""
+        self._wake.set()
+
     def hasten(self, interval: float) -> int:
         """Beat and look every ``interval`` s (if shorter than :data:`INTERVAL`) until
         :meth:`relax`: a save's commit does, on every rank in it, for its tighter bound."""
