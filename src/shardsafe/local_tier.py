@@ -54,6 +54,7 @@ from .save_plan import PlannedSave
 from .save_target import abort, begin, work_dir
 from .saver import AfterWrite, AsyncSaveHandle, Saver, SaveStats
 from .signals import DEAD_AFTER
+from .staging import StagingPool
 from .storage import is_url
 from .transfer import exchange_files
 
@@ -253,6 +254,8 @@ class LocalTier:
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         verify_after_write: bool = False,
         direct_io: str | None = None,
+        max_staging_bytes: int | None = None,
+        staging: StagingPool | None = None,  # host staging memory shared with another Saver
     ) -> None:
         text = os.fspath(root)
         if is_url(text):
@@ -329,6 +332,8 @@ class LocalTier:
             lease_ttl=lease_ttl,
             verify_after_write=verify_after_write,
             direct_io=direct_io,
+            max_staging_bytes=max_staging_bytes,
+            staging=staging,
             target=PlaceTarget(self.leader, self.host, lease_ttl, self._retain),
             after_write=AfterWrite(self._after_write, self._check_copies),
         )

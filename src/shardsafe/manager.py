@@ -38,6 +38,7 @@ from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DistributedError,
+    call_each,
     is_damaged_checkpoint,
 )
 from .lease import LEASE_SECONDS
@@ -55,6 +56,7 @@ from .sharding import (
     is_stateful,
 )
 from .signals import DEAD_AFTER
+from .staging import StagingPool
 
 log = logging.getLogger("shardsafe")
 
@@ -80,6 +82,9 @@ class CheckpointManager:
     update and retention.
     ``run_id``: with a ``local_root``, names this run (else ``root`` does); local steps of
     another run sharing the local root are never restored or deleted.
+    ``max_staging_bytes``: the host memory a save stages at once (see :class:`Saver`), for
+    both tiers; the two tiers share one staging pool (:attr:`staging`), so their saves
+    together never stage more than one of them would.
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class CheckpointManager:
         direct_io: str | None = None,
         run_id: str | None = None,
         read_only: bool = False,
+        max_staging_bytes: int | None = None,
     ) -> None:
         for what, value in (
             ("keep_last", keep_last),
@@ -126,6 +132,9 @@ class CheckpointManager:
         self._dir = self._make_directory(root)
         self.root = self._dir.url
         self.timeout = timeout  # how long a rank waits for the others before naming the absent ones
+        self.staging = StagingPool()
+        """The host staging memory of both tiers' saves (they take turns: a save waits until
+        the other tier's staged bytes are written); ``staging.peak_bytes`` is the most it held."""
         self._saver = Saver(
             process_group,
             timeout=timeout,
@@ -133,6 +142,8 @@ class CheckpointManager:
             lease_ttl=lease_ttl,
             verify_after_write=verify_after_write,
             direct_io=direct_io,
+            max_staging_bytes=max_staging_bytes,
+            staging=self.staging,
         )
         self._lock = threading.Lock()  # guards _active and _pending
         self._maintenance = threading.Lock()  # one pointer update / deletion pass at a time
@@ -165,6 +176,8 @@ class CheckpointManager:
                 lease_ttl=lease_ttl,
                 verify_after_write=verify_after_write,
                 direct_io=direct_io,
+                max_staging_bytes=max_staging_bytes,
+                staging=self.staging,
             )
 
     def _make_directory(self, root: str | os.PathLike[str]) -> CheckpointDirectory:
@@ -672,9 +685,11 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self._saver.close()
-            if self._local is not None:
-                self._local.close()
+            local = self._local
+            try:
+                call_each([self._saver.close, *([local.close] if local is not None else [])])
+            finally:
+                self.staging.release()  # the tiers' writers are stopped: nothing holds it
 
     def __enter__(self) -> CheckpointManager:
         return self

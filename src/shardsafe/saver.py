@@ -60,7 +60,7 @@ from .save_write import (
 )
 from .sharding import ShardedTensor
 from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
-from .staging import StagingPool, staged_bytes
+from .staging import StagingHold, StagingPool, staged_bytes
 
 log = logging.getLogger("shardsafe")
 
@@ -171,6 +171,7 @@ class Saver:
         direct_io: str | None = None,
         target: SaveTarget | None = None,
         after_write: AfterWrite | None = None,
+        staging: StagingPool | None = None,
     ) -> None:
         # where and how a save is published (the persistent tier's shared location by default)
         self.target: SaveTarget = target if target is not None else SharedTarget()
@@ -195,7 +196,10 @@ class Saver:
         # before async_save returns (the last one is written in the background)
         self.max_staging_bytes = max_staging_bytes
         self.plan_cache = PlanCache() if cache_plan else None
-        self.staging = StagingPool()
+        # host staging memory; a pool given here may be shared with other Savers (saves take
+        # turns through StagingPool.hold) and is freed by whoever made it, not by close()
+        self.staging = staging if staging is not None else StagingPool()
+        self._owns_staging = staging is None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardsafe-save")
         self._inflight: AsyncSaveHandle | None = None
         self._lock = threading.Lock()
@@ -227,16 +231,18 @@ class Saver:
         ``max_staging_bytes``). Pass the full state (an optimizer's state exists after its
         first step): a later save that needs more replaces the arena, locking again.
         ``wait=True`` returns once locked, raising :class:`StagingError` if locking failed.
-        Without a GPU, nothing is locked.
+        Without a GPU, nothing is locked. With a pool shared with another Saver whose save
+        is still writing from it, the bigger arena is made once that write is done.
         """
         if nbytes is None:
             if sharded_state_dict is None:
                 raise ValidationError("Saver.prepare() needs the state dict to save, or nbytes")
             nbytes = self._pinned_need(sharded_state_dict)
-        if self.staging.prepare(nbytes) is None:
+        if not self.staging.pins:
             return 0
+        self.staging.prepare(nbytes)  # deferred while a save sharing the pool still writes
         if wait:
-            self.staging.wait_prepared()
+            self.staging.wait_prepared(self.timeout)
         return nbytes
 
     def _pinned_need(self, sharded_state_dict: Any) -> int:
@@ -347,12 +353,22 @@ class Saver:
         sizes = [(i, planned.local_plan.pieces[i].nbytes) for i in planned.assignment.pieces]
         groups = waves(sizes, self.max_staging_bytes)
         early: list[dict[str, Any]] = []  # records of the waves written before returning
+        # the pool, from the first staged byte until the last is written (it may be shared
+        # with another Saver, whose save must not stage over bytes this one still writes)
+        hold: StagingHold | None = None
 
         def stage(pieces: list[int]) -> list[tuple[Any, Any]]:
-            staged = self.staging.stage([_to_stage(planned.split.tensors[i][1]) for i in pieces])
+            staged = self.staging.stage(
+                [_to_stage(planned.split.tensors[i][1]) for i in pieces], hold
+            )
             return [(("p", i), item) for i, item in zip(pieces, staged, strict=True)]
 
         def stage_all() -> ShareItems:
+            nonlocal hold
+            if sizes:
+                hold = self.staging.hold(
+                    f"the {self.target.what} into {planned.loc.url}", self.timeout
+                )
             # with a byte budget, every wave but the last is staged and written before returning
             for group in groups[:-1]:
                 part = ShareItems(stage(group), {}, None)
@@ -381,8 +397,18 @@ class Saver:
                 progress("staged", staged_bytes, staged_bytes)
             return staged
 
+        def let_go() -> None:
+            if hold is not None:
+                hold.release()
+
         channel = self._channel(comm, planned)
-        share, err = outcome(stage_and_report)
+        try:
+            share, err = outcome(stage_and_report)
+        except BaseException:  # an interrupt: nothing will write what was staged
+            let_go()
+            raise
+        if err is not None:
+            let_go()
         blocked = time.perf_counter() - t0
         log.debug(
             "rank %d staged %d bytes for %s in %.3f s",
@@ -394,28 +420,31 @@ class Saver:
 
         def background() -> SaveStats:
             t1 = time.perf_counter()
-            result, werr = (
-                (None, err)
-                if err is not None
-                else outcome(
-                    lambda: merge_results(
-                        [
-                            *early,
-                            write_share(
-                                planned,
-                                comm.rank,
-                                cast(ShareItems, share),
-                                self.files_per_rank,
-                                self.block_bytes,
-                                _counter(progress, "written"),
-                                first_file=sum(len(r["files"]) for r in early),
-                                verify_after_write=self.verify_after_write,
-                                direct_io=self.direct_io,
-                            ),
-                        ]
+            try:
+                result, werr = (
+                    (None, err)
+                    if err is not None
+                    else outcome(
+                        lambda: merge_results(
+                            [
+                                *early,
+                                write_share(
+                                    planned,
+                                    comm.rank,
+                                    cast(ShareItems, share),
+                                    self.files_per_rank,
+                                    self.block_bytes,
+                                    _counter(progress, "written"),
+                                    first_file=sum(len(r["files"]) for r in early),
+                                    verify_after_write=self.verify_after_write,
+                                    direct_io=self.direct_io,
+                                ),
+                            ]
+                        )
                     )
                 )
-            )
+            finally:
+                let_go()  # written (and verified, which reads the staged bytes): nothing needs them
             t_write = time.perf_counter() - t1
             record = self._record(planned, result, werr)
             status = self._commit(comm, channel, planned, record, overwrite, content_metadata)
@@ -425,9 +454,13 @@ class Saver:
             _log_done(comm, stats, progress)
             return stats
 
-        with self._lock:
-            handle = AsyncSaveHandle(self._writer.submit(background), planned.loc.url, blocked)
-            self._inflight = handle
+        try:
+            with self._lock:
+                handle = AsyncSaveHandle(self._writer.submit(background), planned.loc.url, blocked)
+                self._inflight = handle
+        except BaseException:
+            let_go()
+            raise
         return handle
 
     def _plan(
@@ -604,12 +637,14 @@ class Saver:
         return handle.result()
 
     def close(self) -> None:
-        """Wait for the save in flight, stop the writer thread and free the staging memory."""
+        """Wait for the save in flight, stop the writer thread and free the staging memory
+        (unless it was given to the Saver, which may share it)."""
         try:
             self.wait()
         finally:
             self._writer.shutdown(wait=True)
-            self.staging.release()
+            if self._owns_staging:
+                self.staging.release()
             self.direct_io.close()
             self._clients = None
 

@@ -22,6 +22,14 @@ finds the arena still being locked overlaps its copies with the rest of the lock
 device copy never spans two chunks (:func:`chunk_spans`): each lands in memory that one
 registration covers. The page-locking itself sits behind :class:`Pinning`, so the chunking,
 the background thread and the accounting run on machines without a GPU too.
+
+One pool may serve several Savers (a :class:`~shardsafe.manager.CheckpointManager` gives its
+persistent and its local tier the same one), so that their saves together stage no more host
+memory than one of them would. A save takes the pool with :meth:`StagingPool.hold` before it
+stages and gives it back once its staged bytes are written (:class:`StagingHold`); another
+save that needs the pool meanwhile waits for that write, for at most its timeout. The hold
+covers one rank's own writes only, never an exchange with other ranks, so a waiting save
+always sees it end.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import math
 import mmap
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -211,12 +220,26 @@ class StagedItem:
         return self.data
 
 
+class StagingHold:
+    """One save's exclusive use of a :class:`StagingPool`, from its first staged byte until
+    the last one is written; :meth:`release` (idempotent) lets the next save stage."""
+
+    def __init__(self, pool: StagingPool, holder: str) -> None:
+        self.pool = pool
+        self.holder = holder  # what holds it, for the error of a save that waited too long
+        self.released = False
+
+    def release(self) -> None:
+        self.pool._give_back(self)
+
+
 class StagingPool:
     """Reusable host arenas: one plain (CPU sources), one pinned (CUDA sources).
 
     ``pin_devices`` names the device types staged through the pinned arena and ``pinning``
     how it is page-locked (``cudaHostRegister`` by default); both exist so the pinned
-    arena's logic can run where there is no GPU.
+    arena's logic can run where there is no GPU. Savers that share a pool take turns
+    through :meth:`hold`; ``peak_bytes`` is the most host memory it ever held at once.
     """
 
     def __init__(
@@ -236,7 +259,73 @@ class StagingPool:
         self._lock = threading.Lock()
         self.allocations = 0
         self.allocated_bytes = 0
+        self.peak_bytes = 0  # the most allocated_bytes ever were
         self._streams: dict[int, torch.cuda.Stream] = {}
+        # the save whose staged bytes are in use, the saves waiting for it, and a prepare()
+        # that came while it held the pool (applied when it lets go)
+        self._turn = threading.Condition()
+        self._holder: StagingHold | None = None
+        self.waiting = 0
+        self._deferred = 0
+        self._prepare_error: StagingError | None = None
+
+    # -- taking turns ------------------------------------------------------------------------
+    @property
+    def holder(self) -> str | None:
+        """What holds the pool now (its staged bytes are not written yet), or None."""
+        with self._turn:
+            return self._holder.holder if self._holder is not None else None
+
+    def hold(self, holder: str, timeout: float | None = None) -> StagingHold:
+        """Take the pool for the save ``holder`` describes, waiting while another save's staged
+        bytes are still being written; raises :class:`StagingError` naming that save after
+        ``timeout`` seconds. Release the hold once everything staged under it is written."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._turn:
+            self.waiting += 1
+            try:
+                while self._holder is not None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise StagingError(
+                            f"{holder} waited {timeout:g} s for the host staging memory it "
+                            f"shares with {self._holder.holder}, whose staged bytes are still "
+                            "being written; nothing was staged. That write is stuck or slow: "
+                            "check its storage, or give the Saver a longer timeout"
+                        )
+                    self._turn.wait(left)
+            finally:
+                self.waiting -= 1
+            self._holder = StagingHold(self, holder)
+            return self._holder
+
+    def _give_back(self, hold: StagingHold) -> None:
+        with self._turn:
+            if hold.released:
+                return
+            hold.released = True
+            if self._holder is hold:
+                self._holder = None
+                if self._deferred:
+                    nbytes, self._deferred = self._deferred, 0
+                    try:
+                        with self._lock:
+                            self._pinned_arena(nbytes)
+                    except StagingError as e:  # raised by wait_prepared; a save maps again
+                        self._prepare_error = e
+            self._turn.notify_all()
+
+    def _wait_idle(self, timeout: float | None, why: str) -> None:
+        """Under ``self._turn``: wait until no save holds the pool."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._holder is not None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise StagingError(
+                    f"{why}: waited {timeout:g} s for {self._holder.holder}, whose staged bytes "
+                    "are still being written"
+                )
+            self._turn.wait(left)
 
     @property
     def pinned_bytes(self) -> int:
@@ -244,19 +333,38 @@ class StagingPool:
         arena = self._pinned
         return arena.pinned_bytes if arena is not None else 0
 
+    @property
+    def pins(self) -> bool:
+        """Whether this pool page-locks at all (not with the default pinning and no GPU)."""
+        return not (isinstance(self.pinning, CudaHostRegister) and not torch.cuda.is_available())
+
     def prepare(self, nbytes: int) -> PinnedArena | None:
         """Start page-locking a pinned arena of at least ``nbytes`` in the background, if the
         one held is smaller; returns at once. A save that comes before the locking finished
         waits only for the chunks its copies reach. Without a GPU there is nothing to lock
-        (with the default pinning): nothing happens."""
-        if isinstance(self.pinning, CudaHostRegister) and not torch.cuda.is_available():
+        (with the default pinning): nothing happens. While a save holds the pool its arena
+        is never replaced under it: the bigger one is made when that save lets go (None is
+        returned then)."""
+        if not self.pins:
             return None
-        with self._lock:
-            return self._pinned_arena(nbytes) if nbytes > 0 else self._pinned
+        with self._turn:
+            arena = self._pinned
+            if self._holder is not None and nbytes > 0 and (arena is None or arena.nbytes < nbytes):
+                self._deferred = max(self._deferred, nbytes)
+                return None
+            with self._lock:
+                return self._pinned_arena(nbytes) if nbytes > 0 else self._pinned
 
-    def wait_prepared(self) -> None:
-        """Block until the pinned arena (if any) is page-locked; raises what locking raised."""
-        arena = self._pinned
+    def wait_prepared(self, timeout: float | None = None) -> None:
+        """Block until the pinned arena (if any) is page-locked; raises what locking raised.
+        An arena :meth:`prepare` deferred is waited for too (for at most ``timeout`` s)."""
+        with self._turn:
+            if self._deferred:
+                self._wait_idle(timeout, "preparing the pinned staging memory")
+            error, self._prepare_error = self._prepare_error, None
+            arena = self._pinned
+        if error is not None:
+            raise error
         if arena is not None:
             arena.wait()
 
@@ -270,6 +378,7 @@ class StagingPool:
             arena = self._pinned = PinnedArena(nbytes, self.pinning, self.chunk_bytes)
             self.allocations += 1
             self.allocated_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return arena
 
     def _plain_arena(self, nbytes: int) -> torch.Tensor:
@@ -284,10 +393,21 @@ class StagingPool:
             self._arenas[False] = arena
             self.allocations += 1
             self.allocated_bytes += arena.numel()
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return arena
 
-    def stage(self, tensors: Sequence[torch.Tensor]) -> list[StagedItem]:
-        """Copy ``tensors`` into the arenas; returns their staged bytes in order."""
+    def stage(
+        self, tensors: Sequence[torch.Tensor], hold: StagingHold | None = None
+    ) -> list[StagedItem]:
+        """Copy ``tensors`` into the arenas; returns their staged bytes in order. While the
+        pool is held, only under that ``hold``: anything else would overwrite bytes that a
+        save has still to write."""
+        with self._turn:
+            if self._holder is not None and hold is not self._holder:
+                raise StagingError(
+                    f"the host staging memory is in use by {self._holder.holder} until its "
+                    "staged bytes are written: take StagingPool.hold() before staging into it"
+                )
         with self._lock:
             sizes = [t.numel() * t.element_size() for t in tensors]
             pinned = [t.device.type in self.pin_devices for t in tensors]
@@ -340,13 +460,17 @@ class StagingPool:
         return StagedItem(array_view(dst.numpy()), event)
 
     def release(self) -> None:
-        """Free the arenas (the next save allocates again) and unlock the pinned memory."""
-        with self._lock:
-            arena, self._pinned = self._pinned, None
-            self._arenas.clear()
-            self.allocated_bytes = 0
-            if arena is not None:
-                arena.release()
+        """Free the arenas (the next save allocates again) and unlock the pinned memory, once
+        no save holds the pool."""
+        with self._turn:
+            self._wait_idle(None, "releasing the host staging memory")
+            self._deferred = 0
+            with self._lock:
+                arena, self._pinned = self._pinned, None
+                self._arenas.clear()
+                self.allocated_bytes = 0
+                if arena is not None:
+                    arena.release()
 
 
 def slabs(
