@@ -5,7 +5,9 @@ the direct-I/O policy and bounce buffers, and the one background writer thread; 
 frees them. It runs the steps of a save, each in its module: plan (:mod:`.save_plan`, with
 :mod:`.save_target`), stage (:mod:`.staging`), write (:mod:`.save_write`), commit
 (:mod:`.commit`). ``shardsafe.save``/``async_save`` use one Saver per process group
-(``default_saver``); make your own to control its lifetime.
+(``default_saver``); make your own to control its lifetime. Savers may share one staging
+pool (``Saver(staging=)``, as a CheckpointManager's two tiers do): a save holds it from its
+first staged byte until its last one is written, and another waits for that.
 
 What ``async_save`` blocks on: planning (one tiny all-gather when the plan is cached), and
 the copy of this rank's share into host memory. Writing, checksums, fsync and the commit
