@@ -104,6 +104,7 @@ def flip_a_byte(ckpt: Path) -> None:
     data_file.write_bytes(bytes(raw))
 
 
+@pytest.mark.frameworks  # make test-frameworks: ~50 s of Lightning's own DDP launcher
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_ddp_two_ranks_resume_in_a_fresh_process_is_exact(tmp_path: Path) -> None:
