@@ -48,8 +48,17 @@ temporary directories deleted whatever happens. The summary gives the success ra
 time-to-recover distribution (a restarted rank's start to its restore returning, max over
 ranks), the survivors' detection times and every failure with its seed.
 
-Not here (yet): the two-hosts namespace recipe (docs/DESIGN.md), which needs root and
-``ip netns``; every cycle runs on node ids of one machine.
+With ``--namespaces-every K`` every K-th cycle (index i with (i + 1) % K == 0) runs each host
+(``host0``, ``host1``, ``host2``) in its own network, PID and mount namespaces
+(:mod:`tests.namespaces`, the recipe of docs/DESIGN.md; root, ``ip`` and ``unshare``): a
+launcher per host forks its ranks, on rank 0's host it hosts the store (lost with that host,
+as torchrun's agent), the host's own disk is bind-mounted over one local-root path, its
+hostname is the node id, the persistent tier is a directory every host sees; SIGKILL of a
+host kills its PID namespace. Same faults and checks, but a stale lease is always an expired
+one, and a restart whose next save meets a killed host's lease waits for its ttl (20 s here)
+and saves then (see :func:`_save_over_a_lost_hosts_lease`). Where namespaces are refused the
+soak says why and runs every cycle on node ids. The namespaces, processes, mounts and
+directories go whatever ends the run (Ctrl-C and SIGTERM included).
 """
 
 from __future__ import annotations
