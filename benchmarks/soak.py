@@ -48,8 +48,17 @@ temporary directories deleted whatever happens. The summary gives the success ra
 time-to-recover distribution (a restarted rank's start to its restore returning, max over
 ranks), the survivors' detection times and every failure with its seed.
 
-Not here (yet): the two-hosts namespace recipe (docs/DESIGN.md), which needs root and
-``ip netns``; every cycle runs on node ids of one machine.
+With ``--namespaces-every K`` every K-th cycle (index i with (i + 1) % K == 0) runs each host
+(``host0``, ``host1``, ``host2``) in its own network, PID and mount namespaces
+(:mod:`tests.namespaces`, the recipe of docs/DESIGN.md; root, ``ip`` and ``unshare``): a
+launcher per host forks its ranks, on rank 0's host it hosts the store (lost with that host,
+as torchrun's agent), the host's own disk is bind-mounted over one local-root path, its
+hostname is the node id, the persistent tier is a directory every host sees; SIGKILL of a
+host kills its PID namespace. Same faults and checks, but a stale lease is always an expired
+one, and a restart whose next save meets a killed host's lease waits for its ttl (20 s here)
+and saves then (see :func:`_save_over_a_lost_hosts_lease`). Where namespaces are refused the
+soak says why and runs every cycle on node ids. The namespaces, processes, mounts and
+directories go whatever ends the run (Ctrl-C and SIGTERM included).
 """
 
 from __future__ import annotations
@@ -92,6 +101,9 @@ PROCESS_FAULTS = ("kill-rank", "kill-host", "stop-rank")
 FILE_FAULTS = ("flip", "truncate", "delete")
 KINDS = (*PROCESS_FAULTS, *FILE_FAULTS, "full-disk", "stale-lease")
 RUN_ID = "soak"
+# in namespaces: a killed host's lease holds its step until this has passed (see
+# _save_over_a_lost_hosts_lease); shorter than the default 60 s to keep such cycles short
+NS_LEASE_TTL = 20.0
 
 
 # --------------------------------------------------------------------------- the draw
@@ -117,9 +129,14 @@ class Fault:
     store: str = "agent"  # who hosts the process group's store: "agent" (torchrun) or "rank0"
     first_layout: list[str] = field(default_factory=list)  # restoring: the layout hit
     layout: list[str] = field(default_factory=list)  # the restart that must recover
+    namespaces: bool = False  # each host its own network/PID/mount namespaces (--namespaces-every)
 
 
-def draw(seed: int) -> Fault:
+def draw(seed: int, namespaces: bool = False) -> Fault:
+    """The fault of cycle ``seed``. In namespaces the same draw, but a stale lease is always
+    one expired by time: a lease held by a process that is gone names a PID of its host's PID
+    namespace, which a restarted host (a new namespace) can no longer judge, so only its ttl
+    frees it (as on a real host whose container was replaced)."""
     rng = random.Random(seed)
     kind = rng.choice(KINDS)
     f = Fault(kind=kind)
@@ -162,6 +179,9 @@ def draw(seed: int) -> Fault:
             f.first_layout = _layout(rng, at_least=2)
             f.victim = rng.randrange(len(f.first_layout))
     f.layout = _layout(rng)
+    if namespaces:
+        f.namespaces = True
+        f.lease_kind = "expired"
     return f
 
 
@@ -193,13 +213,23 @@ def _layout(rng: random.Random, at_least: int = 1) -> list[str]:
 # --------------------------------------------------------------------------- in the ranks
 
 
+def _local_root(cfg: dict[str, Any], host: str) -> str:
+    """Where a rank of ``host`` finds its node-local disk: its own directory on this machine,
+    or in namespaces the one path every host uses, over which each binds its own disk (the
+    harness sees that disk at ``local/<host>``)."""
+    return f"{cfg['tmp']}/localdisk" if cfg.get("namespaces") else f"{cfg['tmp']}/local/{host}"
+
+
 def _manager(cfg: dict[str, Any], host: str, **kw: Any) -> Any:
     from shardsafe import CheckpointManager
 
+    if cfg.get("namespaces"):
+        kw["lease_ttl"] = NS_LEASE_TTL
     return CheckpointManager(
         f"{cfg['tmp']}/persistent",
-        local_root=f"{cfg['tmp']}/local/{host}",
-        node_id=host,
+        local_root=_local_root(cfg, host),
+        # in namespaces, the node id is the host's name, as on real hosts
+        node_id=None if cfg.get("namespaces") else host,
         local_every=1,
         replicas=1,
         dead_after=DEAD_AFTER,
@@ -235,7 +265,11 @@ class _Armed:
             from tests.faultinject import no_space
 
             no_space()
-        if kind == "kill-host":
+        if kind == "kill-host" and self.cfg.get("namespaces"):
+            # every process of this host's PID namespace but its init (a shell, which then
+            # ends, and the namespace with it): the ranks and the launcher (the store's host)
+            os.kill(-1, signal.SIGKILL)
+        elif kind == "kill-host":
             for pid in self.cfg["host_pids"]():
                 if pid != os.getpid():
                     with contextlib.suppress(ProcessLookupError):
@@ -267,7 +301,7 @@ class _Armed:
         stage = f["stage"]
         if f["kind"] == "full-disk":
             root = (
-                f"{self.cfg['tmp']}/local/{f['place']}"
+                _local_root(self.cfg, f["place"])
                 if f["tier"] == "local"
                 else f"{self.cfg['tmp']}/persistent"
             )
@@ -405,13 +439,40 @@ def restart(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     train_step(w, m, rows_of(rank, world), nxt)
     state["step"] = nxt
     try:
-        mgr.save(nxt, state)
-        mgr.wait()
+        _save_over_a_lost_hosts_lease(cfg, mgr, nxt, state, out)
         mgr.close()
         _last_out()
     except Exception as e:
         out["continue_error"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _save_over_a_lost_hosts_lease(
+    cfg: dict[str, Any], mgr: Any, step: int, state: dict[str, Any], out: dict[str, Any]
+) -> None:
+    """Save ``step`` in both tiers. In namespaces, a host killed while saving this step left
+    a lease no restarted host can judge (its PID namespace is gone, and a restarted host is a
+    new one), so the save is refused (``CheckpointExistsError`` naming the lease) until the
+    lease's ttl has passed: then it is tried again, as its message says, once a second for
+    up to the ttl (the wait goes to ``out["lease_wait_s"]``)."""
+    from shardsafe.errors import CheckpointExistsError
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            mgr.save(step, state)
+            mgr.wait()
+            return
+        except CheckpointExistsError as e:
+            if (
+                not cfg.get("namespaces")
+                or "holds the lease" not in str(e)
+                or time.monotonic() - t0 > NS_LEASE_TTL + 5
+            ):
+                raise
+            out["lease_wait_s"] = time.monotonic() - t0
+            out["lease_refused"] = str(e)[:300]
+            time.sleep(1.0)
 
 
 def _rank_main(
@@ -459,15 +520,16 @@ def _rank_main(
 
         cfg = {**cfg, "host_pids": host_pids}
         pg_timeout = datetime.timedelta(seconds=60)
+        master = cfg.get("master", "127.0.0.1")  # in namespaces: rank 0's host
         if cfg["store"] == "agent":  # hosted by the harness, as torchrun's agent hosts it
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=pg_timeout)
+            store = dist.TCPStore(master, port, world, is_master=False, timeout=pg_timeout)
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=world, timeout=pg_timeout
             )
         else:  # tcp:// rendezvous: rank 0's process hosts the store
             dist.init_process_group(
                 "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
+                init_method=f"tcp://{master}:{port}",
                 rank=rank,
                 world_size=world,
                 timeout=pg_timeout,
@@ -498,7 +560,7 @@ class Phase:
     seconds: float
 
 
-def run_phase(
+def run_phase_on_ids(
     ctx: Any, tmp: str, phase: str, fn_name: str, hosts: list[str], cfg: dict[str, Any]
 ) -> Phase:
     """Start one process per rank; wait until each exited or wrote its result (a stopped rank
@@ -557,6 +619,157 @@ def run_phase(
     )
 
 
+def run_phase_ns(
+    hosts: Any, tmp: str, phase: str, fn_name: str, layout: list[str], cfg: dict[str, Any]
+) -> Phase:
+    """:func:`run_phase_on_ids` with each host of ``layout`` in its own namespaces
+    (:mod:`tests.namespaces`): a launcher (this script, ``--ns-launch``) on each host forks its
+    ranks and, on rank 0's host, hosts the store, as torchrun's agent on the rendezvous host
+    does (lost with that host); its local root is ``local/<host>`` bind-mounted over
+    ``localdisk``, the persistent tier the directory every host sees. A rank is done once its
+    result is written, its launcher saw it exit or stop, or its host is gone."""
+    import subprocess
+    from importlib.util import find_spec
+
+    from launch import free_port
+
+    world = len(layout)
+    port = free_port()  # any: every host has its own network stack
+    master = hosts.ips[hosts.hostnames.index(layout[0])]
+    cfg = {**cfg, "tmp": tmp, "phase": phase, "hosts": layout, "namespaces": True}
+    cfg["master"] = master
+    spec_origin = find_spec("shardsafe")
+    assert spec_origin is not None and spec_origin.origin is not None
+    src = os.path.dirname(os.path.dirname(spec_origin.origin))
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "PYTHONPATH": os.pathsep.join([src, ROOT]),
+        "OMP_NUM_THREADS": "1",
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+    }
+    mountpoint = os.path.join(tmp, "localdisk")
+    os.makedirs(mountpoint, exist_ok=True)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    t0 = time.monotonic()
+    timed_out = False
+    ended = False
+    try:
+        for h in dict.fromkeys(layout):  # rank 0's host first: it hosts the store
+            disk = os.path.join(tmp, "local", h)
+            os.makedirs(disk, exist_ok=True)
+            spec = {
+                "fn": fn_name,
+                "ranks": [r for r, x in enumerate(layout) if x == h],
+                "world": world,
+                "port": port,
+                "store_host": h == layout[0] and cfg["store"] == "agent",
+                "cfg": cfg,
+            }
+            spec_path = os.path.join(tmp, f"{phase}.{h}.spec.json")
+            with open(spec_path, "w") as fh:
+                json.dump(spec, fh)
+            argv = [sys.executable, os.path.abspath(__file__), "--ns-launch", spec_path]
+            cmd = hosts.command(
+                hosts.hostnames.index(h), argv, binds=[(disk, mountpoint)], exec_program=False
+            )
+            with open(os.path.join(tmp, "logs", f"{phase}.{h}.launcher.log"), "wb") as log:
+                procs[h] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = t0 + PHASE_TIMEOUT
+        while True:
+            pending = [
+                r
+                for r in range(world)
+                if procs[layout[r]].poll() is None
+                and not os.path.exists(_result_path(tmp, phase, r))
+                and not os.path.exists(_result_path(tmp, phase, r) + ".gone")
+            ]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+        ended = True
+    finally:
+        # the launchers kill what is left of their ranks (a stopped one) and leave; on a
+        # timeout or an interruption each host is ended at once (--kill-child: its namespace)
+        with open(os.path.join(tmp, "results", f"{phase}.end"), "w"):
+            pass
+        for p in procs.values():
+            if ended and not timed_out:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=20)
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    results: dict[int, dict[str, Any]] = {}
+    codes: dict[int, int | None] = {r: None for r in range(world)}
+    for r in range(world):
+        try:
+            with open(_result_path(tmp, phase, r)) as f:
+                results[r] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    for h in procs:
+        try:
+            with open(os.path.join(tmp, "results", f"{phase}.{h}.exits.json")) as f:
+                codes.update({int(r): c for r, c in json.load(f).items()})
+        except (OSError, ValueError):
+            pass  # the host was killed: its ranks' exit codes died with it
+    return Phase(results, codes, timed_out, time.monotonic() - t0)
+
+
+def ns_launch(spec_path: str) -> int:
+    """One host's launcher, inside its namespaces: fork its ranks (torch imported once, here),
+    host the store if it is rank 0's host, mark each rank that exits or stops (``.gone``), and
+    once the harness ends the phase kill what is left and write the ranks' exit codes."""
+    import torch.distributed as dist
+
+    import shardsafe  # noqa: F401  (imported before the fork, as the forkserver preloads it)
+    import tests.faultinject
+    import tests.tierstate  # noqa: F401
+
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    cfg = spec["cfg"]
+    tmp, phase, world, port = cfg["tmp"], cfg["phase"], spec["world"], spec["port"]
+    ctx = mp.get_context("fork")  # no thread runs yet in this process: the store comes after
+    procs = {
+        r: ctx.Process(target=_rank_main, args=(r, world, port, spec["fn"], cfg, time.time()))
+        for r in spec["ranks"]
+    }
+    for p in procs.values():
+        p.start()
+    store = None
+    if spec["store_host"]:
+        store = dist.TCPStore(cfg["master"], port, world, is_master=True, wait_for_workers=False)
+    end = os.path.join(tmp, "results", f"{phase}.end")
+    deadline = time.monotonic() + PHASE_TIMEOUT + 30  # the harness is gone: leave anyway
+    gone: set[int] = set()
+    try:
+        while not os.path.exists(end) and time.monotonic() < deadline:
+            for r, p in procs.items():
+                if r not in gone and (not p.is_alive() or _stopped(p.pid)):
+                    gone.add(r)
+                    with open(_result_path(tmp, phase, r) + ".gone", "w"):
+                        pass
+            time.sleep(0.02)
+    finally:
+        for p in procs.values():
+            if p.pid is not None and p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+        for p in procs.values():
+            p.join(timeout=10)
+        host = cfg["hosts"][spec["ranks"][0]]
+        path = os.path.join(tmp, "results", f"{phase}.{host}.exits.json")
+        with open(path, "w") as fh:
+            json.dump({r: p.exitcode for r, p in procs.items()}, fh)
+        del store
+    return 0
+
+
 def _result_path(tmp: str, phase: str, rank: int) -> str:
     return os.path.join(tmp, "results", f"{phase}.{rank}.json")
 
@@ -587,6 +800,7 @@ class CycleResult:
     recover_s: float | None = None  # restart's start to restored, max over ranks
     detect_s: list[float] = field(default_factory=list)  # survivors: fault to their error
     seconds: float = 0.0
+    lease_wait_s: float | None = None  # namespaces: the restart's save waited for a lease
 
 
 def _place_dir(tmp: str, host: str) -> str | None:
@@ -809,13 +1023,28 @@ def _read_fault(tmp: str) -> dict[str, Any] | None:
 
 
 def run_cycle(
-    seed: int, ctx: Any, slack: float = 1.0, verbose: bool = False, keep: bool = False
+    seed: int,
+    ctx: Any,
+    slack: float = 1.0,
+    verbose: bool = False,
+    keep: bool = False,
+    ns: Any = None,
 ) -> CycleResult:
+    """One cycle; with ``ns`` (:func:`tests.namespaces.made` over :data:`RESTART_HOSTS`),
+    each host runs in its own namespaces."""
     import torch
 
     from tests.tierstate import reference, rows_of
 
-    f = draw(seed)
+    f = draw(seed, namespaces=ns is not None)
+
+    def run_phase(
+        ctx: Any, tmp: str, phase: str, fn_name: str, layout: list[str], cfg: dict[str, Any]
+    ) -> Phase:
+        if ns is not None:
+            return run_phase_ns(ns, tmp, phase, fn_name, layout, cfg)
+        return run_phase_on_ids(ctx, tmp, phase, fn_name, layout, cfg)
+
     t0 = time.monotonic()
     res = CycleResult(seed, asdict(f), ok=False)
     tmp = tempfile.mkdtemp(prefix=f"soak-{seed}-")
@@ -940,6 +1169,14 @@ def run_cycle(
                 raise CycleFailure(
                     f"rank {r}: restored state differs from the reference at step {res.restored}"
                 )
+        waits = [
+            p3.results[r]["lease_wait_s"] for r in range(world) if "lease_wait_s" in p3.results[r]
+        ]
+        if waits:
+            res.lease_wait_s = max(waits)
+            say(
+                f"the next save waited {res.lease_wait_s:.1f} s for a killed host's lease to expire"
+            )
         errs = {
             r: p3.results[r]["continue_error"]
             for r in range(world)
@@ -1005,10 +1242,22 @@ def label(fault: dict[str, Any]) -> str:
     return f"{fault['kind']}/{fault['tier']}"
 
 
-def summary(results: list[CycleResult], slack: float) -> str:
+def summary(results: list[CycleResult], slack: float, namespaces_every: int = 0) -> str:
     n = len(results)
     ok = sum(r.ok for r in results)
     lines = [f"cycles: {n}, succeeded: {ok} ({100.0 * ok / max(n, 1):.1f} %)"]
+    ns = [r for r in results if r.fault.get("namespaces")]
+    if ns:
+        lines.append(
+            f"in namespaces (each host its own network/PID/mount namespaces): {len(ns)} cycles, "
+            f"succeeded: {sum(r.ok for r in ns)}"
+        )
+        waited = [r.lease_wait_s for r in ns if r.lease_wait_s is not None]
+        if waited:
+            lines.append(
+                f"  of which the restart's next save waited for a killed host's lease (ttl "
+                f"{NS_LEASE_TTL:.0f} s) to expire: {len(waited)}, up to {max(waited):.1f} s"
+            )
     ttr = [r.recover_s for r in results if r.ok and r.recover_s is not None]
     if ttr:
         lines.append(
@@ -1031,10 +1280,12 @@ def summary(results: list[CycleResult], slack: float) -> str:
     lines.append("by fault: " + ", ".join(f"{k} {v[1]}/{v[0]}" for k, v in sorted(by.items())))
     failed = [r for r in results if not r.ok]
     if failed:
-        lines.append(f"failures ({len(failed)}), replay with --replay SEED:")
+        again = f" (--namespaces-every {namespaces_every} too)" if ns else ""
+        lines.append(f"failures ({len(failed)}), replay with --replay SEED{again}:")
         for r in failed:
             lines.append(
-                f"  seed {r.seed}: {label(r.fault)}: {r.message.splitlines()[0][:400] if r.message else ''}"
+                f"  seed {r.seed}{_ns_mark(r)}: {label(r.fault)}: "
+                f"{r.message.splitlines()[0][:400] if r.message else ''}"
             )
     return "\n".join(lines)
 
@@ -1064,16 +1315,19 @@ def main(argv: list[str] | None = None) -> int:
         "--namespaces-every",
         type=int,
         default=0,
-        help="not implemented yet: every cycle runs on node ids of this machine",
+        metavar="K",
+        help="run every K-th cycle (the cycle of index i when (i + 1) %% K == 0, --replay "
+        "included) with each host in its own network/PID/mount namespaces, joined by a bridge "
+        "(docs/DESIGN.md; needs root, `ip` and `unshare`; where refused, says why and runs "
+        "every cycle on node ids); 0: none",
     )
+    ap.add_argument("--ns-launch", default=None, help=argparse.SUPPRESS)  # a host's launcher
     args = ap.parse_args(argv)
-    if args.namespaces_every:
-        print(
-            "--namespaces-every: the network-namespace recipe is not implemented in this soak yet",
-            file=sys.stderr,
-        )
-        return 2
-    # a stopped run still kills its ranks and deletes its directories (the finally blocks)
+    if args.ns_launch is not None:
+        return ns_launch(args.ns_launch)
+    if args.namespaces_every < 0:
+        ap.error("--namespaces-every must be 0 or more")
+    # a stopped run still kills its ranks, ends its namespaces and deletes its directories
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ctx = context()
     seeds = (
@@ -1081,38 +1335,76 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay is not None
         else [args.seed * 1_000_000 + i for i in range(args.cycles)]
     )
+    every = args.namespaces_every
+    in_ns = [bool(every) and (s % 1_000_000 + 1) % every == 0 for s in seeds]
     print(
         f"soak: {len(seeds)} cycle(s) on {platform.node()} ({os.cpu_count()} cores), "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load {os.getloadavg()[0]:.1f}",
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load {os.getloadavg()[0]:.1f}"
+        + (f", {sum(in_ns)} in namespaces" if any(in_ns) else ""),
         flush=True,
     )
     results: list[CycleResult] = []
+    refused: str | None = None
     t0 = time.monotonic()
-    for i, seed in enumerate(seeds):
-        r = run_cycle(seed, ctx, slack=args.slack, verbose=args.replay is not None, keep=args.keep)
-        results.append(r)
-        state = "ok" if r.ok else f"FAILED: {r.message.splitlines()[0][:300] if r.message else ''}"
-        print(
-            f"[{i + 1}/{len(seeds)}] seed {seed} {label(r.fault)} -> restored {r.restored} "
-            f"(expected {r.expected}, {r.tier}) recover {_fmt(r.recover_s)} in {r.seconds:.1f} s: {state}",
-            flush=True,
-        )
-        if args.replay is not None and r.message:
-            print(r.message)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(
-                    {
-                        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
-                        "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
-                        "elapsed_s": time.monotonic() - t0,
-                        "cycles": [asdict(x) for x in results],
-                    },
-                    fh,
-                    indent=1,
+    with contextlib.ExitStack() as stack:
+        ns = None
+        if any(in_ns):
+            from tests import namespaces
+
+            etc = tempfile.mkdtemp(prefix="soak-etc-")
+            stack.callback(shutil.rmtree, etc, True)
+            try:
+                ns = stack.enter_context(namespaces.made(RESTART_HOSTS, etc, prefix="sk"))
+            except namespaces.Refused as e:
+                refused = str(e)
+                print(
+                    f"--namespaces-every {every}: {refused}; every cycle runs on node ids",
+                    file=sys.stderr,
+                    flush=True,
                 )
-    print(summary(results, args.slack))
+        for i, seed in enumerate(seeds):
+            r = run_cycle(
+                seed,
+                ctx,
+                slack=args.slack,
+                verbose=args.replay is not None,
+                keep=args.keep,
+                ns=ns if in_ns[i] else None,
+            )
+            results.append(r)
+            state = (
+                "ok" if r.ok else f"FAILED: {r.message.splitlines()[0][:300] if r.message else ''}"
+            )
+            print(
+                f"[{i + 1}/{len(seeds)}] seed {seed}{_ns_mark(r)} {label(r.fault)} -> restored "
+                f"{r.restored} (expected {r.expected}, {r.tier}) recover {_fmt(r.recover_s)} "
+                f"in {r.seconds:.1f} s: {state}",
+                flush=True,
+            )
+            if args.replay is not None and r.message:
+                print(r.message)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(
+                        {
+                            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
+                            "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
+                            "elapsed_s": time.monotonic() - t0,
+                            "namespaces_every": every,
+                            "namespaces_refused": refused,
+                            "cycles": [asdict(x) for x in results],
+                        },
+                        fh,
+                        indent=1,
+                    )
+    print(summary(results, args.slack, every))
+    if refused is not None:
+        print(f"namespace cycles: none ran ({refused})")
     return 0 if all(r.ok for r in results) else 1
+
+
+def _ns_mark(r: CycleResult) -> str:
+    return " [namespaces]" if r.fault.get("namespaces") else ""
 
 
 def _fmt(x: float | None) -> str:

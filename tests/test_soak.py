@@ -48,6 +48,33 @@ def test_each_fault_kind_recovers_exactly() -> None:
     assert all(r.ok for r in results), soak.summary(results, 10.0)
 
 
+@pytest.mark.timeout(420)
+def test_a_host_killed_in_namespaces_recovers_exactly(tmp_path: Path) -> None:
+    """A namespace cycle (``--namespaces-every``): each host its own network, PID and mount
+    namespaces with its own disk; a whole host (its PID namespace: ranks and launcher) is
+    SIGKILLed while its ranks copy a local step to their peers, and the restart spans
+    several hosts, one of them new with an empty disk."""
+    from tests import namespaces
+
+    (seed,) = soak.seeds_for(
+        [
+            {
+                "kind": "kill-host",
+                "stage": "copying",
+                "layout": lambda hs: "host2" in hs and len(set(hs)) >= 2,
+            }
+        ],
+        start=7_100_000,
+    )
+    try:
+        with namespaces.made(soak.RESTART_HOSTS, tmp_path, prefix="st") as ns:
+            result = soak.run_cycle(seed, soak.context(), slack=10.0, ns=ns)
+    except namespaces.Refused as e:
+        pytest.skip(f"namespace cycle: {e}")
+    assert result.fault["namespaces"]
+    assert result.ok, soak.summary([result], 10.0, 1)
+
+
 def _waits_of_a_tiered_save(rank: int, world: int, tmp: str) -> list[tuple[str, float]]:
     """Every ``Comm.arrive`` of a manager's save to both tiers: its stage and ``dead_after``."""
     import torch

@@ -19,11 +19,11 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import namespaces
 import pytest
 from distributed import free_port
 
@@ -31,16 +31,13 @@ HERE = Path(__file__).parent
 SRC = HERE.parent / "src"
 
 
-def _run(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
 @dataclass
 class Hosts:
-    names: tuple[str, str]  # namespace names
-    ips: tuple[str, str]
-    hostnames: tuple[str, str]
-    hosts_file: Path
+    ns: namespaces.Hosts
+
+    @property
+    def hostnames(self) -> tuple[str, ...]:
+        return self.ns.hostnames
 
     def start(
         self,
@@ -58,21 +55,14 @@ class Hosts:
         """torchrun on host ``i``: its own hostname, PIDs and mounts, in its network namespace.
         ``disk=(source, path)`` bind-mounts the host's own directory over ``path``: a node-local
         disk only this host sees, which outlives the host's processes."""
-        mounts = f"mount --make-rprivate / && mount --bind {self.hosts_file} /etc/hosts"
-        if private is not None:
-            mounts += f" && mount -t tmpfs tmpfs {private}"
-        extra: list[str] = []
-        if disk is not None:
-            mounts += f" && mount --bind {disk[0]} {disk[1]}"
-            extra = [str(disk[1])]
+        extra = [str(disk[1])] if disk is not None else []
         run = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.ips[rdzv_host] if nnodes > 1 else self.ips[i]}:{port}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.ns.ips[rdzv_host] if nnodes > 1 else self.ns.ips[i]}:{port}",
             "--rdzv-id=twohosts", "--max-restarts=0", "--monitor-interval=0.5",
             str(HERE / "twohosts_worker.py"), mode, str(root), str(marker), *extra,
         ]  # fmt: skip
-        script = f"hostname {self.hostnames[i]} && {mounts} && exec {' '.join(run)}"
         env = {
             **os.environ,
             "GLOO_SOCKET_IFNAME": "eth0",
@@ -80,8 +70,12 @@ class Hosts:
             "OMP_NUM_THREADS": "1",
             "TORCH_CPP_LOG_LEVEL": "ERROR",
         }
-        cmd = ["ip", "netns", "exec", self.names[i], "unshare", "--uts", "--pid", "--fork"]
-        cmd += ["--kill-child", "--mount", "--mount-proc", "bash", "-c", script]
+        cmd = self.ns.command(
+            i,
+            run,
+            binds=[disk] if disk is not None else [],
+            tmpfs=[private] if private is not None else [],
+        )
         return subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -89,42 +83,11 @@ class Hosts:
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    if os.geteuid() != 0:
-        pytest.skip("two-host tests need root (network and mount namespaces)")
-    for tool in ("ip", "unshare", "mount"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"two-host tests need the {tool!r} command")
-    tag = uuid.uuid4().hex[:6]
-    names = (f"ssa{tag}", f"ssb{tag}")
-    veth = (f"va{tag}", f"vb{tag}")
-    octet = 16 + int(tag[:2], 16) % 200
-    ips = (f"10.213.{octet}.1", f"10.213.{octet}.2")
-    hostnames = ("hosta", "hostb")
-    hosts_file = tmp_path_factory.mktemp("etc") / "hosts"
-    hosts_file.write_text(
-        f"127.0.0.1 localhost\n{ips[0]} {hostnames[0]}\n{ips[1]} {hostnames[1]}\n"
-    )
-    made: list[str] = []
     try:
-        for ns in names:
-            _run("ip", "netns", "add", ns)
-            made.append(ns)
-        _run("ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
-        for ns, dev, ip in zip(names, veth, ips, strict=True):
-            _run("ip", "link", "set", dev, "netns", ns)
-            _run("ip", "-n", ns, "link", "set", dev, "name", "eth0")
-            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
-            _run("ip", "-n", ns, "link", "set", "eth0", "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as e:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        pytest.skip(f"cannot make network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}")
-    try:
-        yield Hosts(names, ips, hostnames, hosts_file)
-    finally:
-        for ns in made:  # deleting a namespace removes its end of the veth pair, and so the pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        with namespaces.made(("hosta", "hostb"), tmp_path_factory.mktemp("etc")) as ns:
+            yield Hosts(ns)
+    except namespaces.Refused as e:
+        pytest.skip(f"two-host tests: {e}")
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float) -> str:
