@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,9 +75,45 @@ def test_expiry(tmp_path: Path, where: str, age: float, state: str) -> None:
     assert lease_state(storage, REL) == state
     if state == "expired":  # broken by the next save
         Lease.acquire(storage, REL, "n" * 16).release()
-    else:
+    else:  # refused at once when not waiting for another host's silent lease to expire
         with pytest.raises(CheckpointExistsError):
+            Lease.acquire(storage, REL, "n" * 16, wait_silent=False)
+
+
+def test_another_hosts_silent_lease_is_broken_once_its_ttl_has_passed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a save that died with its host (a restart after losing the coordinator's host)
+    write(tmp_path, "elsewhere.example", 1, 0.0, ttl=1.0)
+    storage = storage_for(str(tmp_path))
+    assert lease_state(storage, REL) == "held"
+    with caplog.at_level("WARNING", logger="shardsafe"):
+        lease = Lease.acquire(storage, REL, "n" * 16)
+    assert "waiting up to" in caplog.text and "elsewhere.example" in caplog.text
+    info = read_lease(storage, REL)
+    assert isinstance(info, LeaseInfo) and info.owner == "n" * 16
+    lease.release()
+
+
+def test_another_hosts_live_lease_is_refused_when_it_is_renewed(tmp_path: Path) -> None:
+    stop = threading.Event()
+
+    def renew() -> None:  # a live save on another host renews every quarter ttl
+        while not stop.is_set():
+            write(tmp_path, "elsewhere.example", 1, 0.0, ttl=2.0)
+            stop.wait(0.5)
+
+    t = threading.Thread(target=renew)
+    t.start()
+    try:
+        storage = storage_for(str(tmp_path))
+        with pytest.raises(CheckpointExistsError, match=r"elsewhere\.example"):
             Lease.acquire(storage, REL, "n" * 16)
+    finally:
+        stop.set()
+        t.join()
+    info = read_lease(storage, REL)
+    assert isinstance(info, LeaseInfo) and info.owner == "o" * 16  # never broken
 
 
 def test_a_lease_taken_over_is_lost_and_not_released(tmp_path: Path) -> None:

@@ -5,7 +5,11 @@ owner token (the save's token), the owner's host and process, the time it was la
 and how long it stays valid. The coordinator renews it from a background thread while the
 save runs; a lease whose renewal is older than its ``ttl`` has expired, whoever wrote it and
 wherever. On the writer's own host a lease whose process is gone (same PID namespace) is
-expired at once. A save checks that it still owns its lease before it commits.
+expired at once. A lease from another host (or PID namespace) cannot be judged that way: a
+save that meets one watches it for up to its ttl, and is refused when it is renewed (a live
+save) or breaks it once it expired unrenewed (a save that died with its host), so a restart
+after losing the coordinator's host does not fail its first save. A save checks that it
+still owns its lease before it commits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import cast
 
 from .errors import CheckpointExistsError
 from .location import LOCK_SUFFIX, TMP_MARK
@@ -88,10 +93,13 @@ class LeaseInfo:
         now = time.time() if now is None else now
         if now - self.renewed > self.ttl:
             return True
-        same_process_space = self.host == socket.gethostname() and (
+        return self.on_this_host() and not pid_alive(self.pid)
+
+    def on_this_host(self) -> bool:
+        """Its process is one this host can look up (same host name and PID namespace)."""
+        return self.host == socket.gethostname() and (
             not self.pid_ns or self.pid_ns == _pid_namespace()
         )
-        return same_process_space and not pid_alive(self.pid)
 
     def describe(self) -> str:
         age = time.time() - self.renewed
@@ -134,6 +142,31 @@ def lease_state(storage: Storage, rel: str) -> str:
     return "expired" if info.expired() else "held"
 
 
+def _wait_until_expired(storage: Storage, rel: str, held: LeaseInfo) -> LeaseInfo | str | None:
+    """Watch another host's lease until it expires, is renewed, changes hands or goes: what
+    is there then (None: gone). Polled a few times per renewal period (a quarter ttl)."""
+    wait = max(0.0, held.ttl - (time.time() - held.renewed)) + 0.5
+    log.warning(
+        "the lease %s is %s; its process cannot be asked from this host: waiting up to %.0f s "
+        "for a renewal (a live save: this one is refused) or its expiry (a save that died "
+        "with its host: the lease is broken)",
+        storage.describe(rel),
+        held.describe(),
+        wait,
+    )
+    deadline = time.monotonic() + min(wait, held.ttl + 1.0)
+    poll = min(1.0, max(0.05, held.ttl / 16))
+    while True:
+        current = read_lease(storage, rel)
+        if not isinstance(current, LeaseInfo):
+            return current
+        if current.owner != held.owner or current.renewed != held.renewed or current.expired():
+            return current
+        if time.monotonic() >= deadline:
+            return current
+        time.sleep(poll)
+
+
 class Lease:
     """A lease this process holds; :meth:`start` renews it in the background until :meth:`release`."""
 
@@ -150,12 +183,37 @@ class Lease:
         )
 
     @classmethod
-    def acquire(cls, storage: Storage, rel: str, owner: str, ttl: float = LEASE_SECONDS) -> Lease:
-        """Take the lease, breaking an expired one; raise :class:`CheckpointExistsError` if held."""
+    def acquire(
+        cls,
+        storage: Storage,
+        rel: str,
+        owner: str,
+        ttl: float = LEASE_SECONDS,
+        wait_silent: bool = True,
+    ) -> Lease:
+        """Take the lease, breaking an expired one; raise :class:`CheckpointExistsError` if held.
+
+        A lease held from another host (or PID namespace), whose process this host cannot
+        ask about, is watched instead of refused at once (``wait_silent``): renewed meanwhile,
+        its save is alive and this one is refused; left silent until its ttl has passed, it
+        was a save that died with its host (a restart after losing the coordinator's host
+        meets it at its first save) and is broken. The wait is at most the lease's ttl."""
         lease = cls(storage, rel, owner, ttl)
         if storage.create_exclusive(rel, lease._info().to_bytes()):
             return lease
         current = read_lease(storage, rel)
+        silent_elsewhere = (
+            wait_silent
+            and isinstance(current, LeaseInfo)
+            and not current.expired()
+            and not current.on_this_host()
+        )
+        if silent_elsewhere:
+            current = _wait_until_expired(storage, rel, cast(LeaseInfo, current))
+            if current is None and storage.create_exclusive(rel, lease._info().to_bytes()):
+                return lease
+            if current is None:
+                current = read_lease(storage, rel)
         if isinstance(current, LeaseInfo) and current.expired():
             log.warning(
                 "breaking the expired lease %s (%s)", storage.describe(rel), current.describe()
