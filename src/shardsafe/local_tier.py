@@ -12,6 +12,12 @@ local step directory is an ordinary shardsafe checkpoint that may lack the files
 elsewhere. What the tier adds is that replication, the drain into the persistent tier and
 retention in each place.
 
+What a local save moves: each rank writes each of its bytes once, into its own file in its
+place; the copy is streamed to each peer by reading that file (no second local write), and
+each peer writes it once into its own place, checking the block checksums as the bytes arrive
+(:class:`shardsafe.checksum.StreamCheck`; nothing copied is read back). Every byte is so
+written on ``replicas + 1`` hosts, once on each.
+
 A node's disk outlives the job, and several runs may share one ``local_root``: each run keeps
 its steps in its own directory ``<local_root>/run-<key>/``, the key a digest of the run's
 identity (the ``run_id`` the user gave, else the persistent root as the coordinator resolves
