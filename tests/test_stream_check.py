@@ -95,6 +95,10 @@ def test_checksums_that_do_not_fit_the_extent_are_refused() -> None:
     assert fed(DATA, [short], []) == ["an extent at 13 of 200 bytes has 3 block checksums"]
     negative = Extent("f", -5, 10, ("0" * 16,))
     assert fed(DATA, [negative], []) == ["an extent at -5 of 10 bytes has 1 block checksums"]
+    unreadable = Extent("f", "x", 10, ("0" * 16,))  # type: ignore[arg-type]
+    assert fed(DATA, [unreadable, EXTENTS[0]], []) == [
+        "an extent is not readable (invalid literal for int() with base 10: 'x')"
+    ]
 
 
 def test_chunks_must_come_in_file_order() -> None:

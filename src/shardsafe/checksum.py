@@ -73,7 +73,11 @@ class StreamCheck:
         self._waiting: list[_Run] = []  # not reached yet, by start (popped from the end)
         self._active: list[_Run] = []  # reached, not complete
         for e in extents:
-            run = _Run(int(e.byte_offset), int(e.nbytes), tuple(e.checksums))
+            try:
+                run = _Run(int(e.byte_offset), int(e.nbytes), tuple(e.checksums))
+            except (TypeError, ValueError) as err:  # a peer's offer is checked, not trusted
+                self.bad.append(f"an extent is not readable ({err})")
+                continue
             if len(run.sums) != block_count(run.end - run.start, block_bytes) or run.start < 0:
                 self.bad.append(
                     f"an extent at {run.start} of {run.end - run.start} bytes has "
