@@ -15,7 +15,8 @@ shardsafe already imported, as in a restarted job after its imports), and is the
    (its ranks' files come from the copies on host ``a``, over the process group), (b) the local
    tier with every host intact, (c) the persistent tier (a manager without ``local_root``;
    ``--dir`` and ``--local-dir`` are on the same disk unless given otherwise: the output says
-   which file systems they are on), and as a peer reference PyTorch DCP's ``dcp.load`` of the
+   which file systems they are on; ``--local-dir /dev/shm/...`` puts the local tier in host
+   memory), and as a peer reference PyTorch DCP's ``dcp.load`` of the
    same state (``dcp.save`` once). Each restore is repeated once in the same processes
    (``again``), which shows what a fresh process adds. Before every restore the checkpoint
    files are evicted from the page cache, so every source is read from the device. The
@@ -613,6 +614,9 @@ def report(results: dict[str, Any]) -> str:
     if results["fs"]["dir"] == results["fs"]["local_dir"]:
         p("  -> both tiers are on the SAME disk here: the persistent figures are those of a local")
         p("     file system, not of a shared or object store")
+    if results["fs"]["local_dir"].split()[1:2] in (["tmpfs"], ["ramfs"]):
+        p("  -> the local roots are on a RAM disk: no local save writes to a disk, and local")
+        p("     files cannot be evicted (a restore reads them from memory); a reboot loses them")
     p(
         f"state: {results['mib']:.0f} MiB of fp32 in {TENSORS} tensors, split by rows over the ranks; "
         f"two hosts (node ids a, b), half the ranks each; one copy of every file on the other host"

@@ -243,3 +243,47 @@ def test_async_save_loads_back_cold(tmp_path):
     )
     assert torch.equal(out["w"], w) and torch.equal(out["b"], b)
     assert shardsafe.CheckpointReader(tmp_path / "ck").verify().ok
+
+
+def test_no_direct_io_on_a_ram_disk_in_any_mode(tmp_path, monkeypatch):
+    """A local root on tmpfs (the node-local tier in host memory): its files are page-cache
+    pages, so no mode opens them with O_DIRECT and auto measures nothing there (recent kernels
+    accept O_DIRECT on tmpfs, so only the policy keeps it away)."""
+    from shardsafe.io_policy import DeviceProbe, Policy, in_memory
+
+    if not os.path.isdir("/dev/shm") or not in_memory("/dev/shm"):
+        pytest.skip("/dev/shm is not a tmpfs here")
+    import tempfile
+
+    root = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        storage = LocalStorage(root)
+
+        def refused(*args, **kwargs):
+            raise AssertionError("O_DIRECT tried on a RAM disk")
+
+        monkeypatch.setattr(directio, "_open_direct", refused)
+        arena = aligned_empty(2 << 20)
+        arena[:] = 5
+        for mode in ("auto", "always"):
+            probe = DeviceProbe(cache_path=str(tmp_path / f"{mode}.json"))
+            dio = DirectIO(mode, probe)
+            assert dio.policy(storage, writing=True) == Policy(False, False)
+            assert not dio.wants(storage, [("a", memoryview(arena))])
+            assert not dio.reads(storage)
+            write_data_file(
+                storage, f"data/{mode}.bin", [("a", memoryview(arena))], 1 << 20, direct_io=dio
+            )
+            write_data_file(
+                storage,
+                f"data/{mode}-streamed.bin",
+                iter([("a", memoryview(arena))]),
+                1 << 20,
+                direct_io=dio,
+            )
+            assert probe.measurements == 0 and not (tmp_path / f"{mode}.json").exists()
+            assert os.path.getsize(os.path.join(root, f"data/{mode}.bin")) >= 2 << 20
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)

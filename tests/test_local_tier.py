@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from shardsafe import CheckpointManager
+from shardsafe.checksum import StreamCheck, block_checksums
+from shardsafe.format import Extent
 from shardsafe.peers import Copy, complete_steps, plan_copies, replica_peers
 from tests.distributed import RankFailure, preload_forkserver, run_ranks
 from tests.manifests import sealed
@@ -316,6 +318,73 @@ def test_drain_copies_local_steps_to_the_persistent_tier(tmp_path: Path) -> None
     check_exact([{"step": 4, "w": w, "m": m}], 4)
 
 
+class _FlippingReader:
+    """A reader whose first read of a data file comes back with its middle byte flipped."""
+
+    def __init__(self, inner: Any, left: list[int]) -> None:
+        self._inner, self._left = inner, left
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        self._inner.read_into(offset, out)
+        if self._left[0] and len(out):
+            self._left[0] -= 1
+            out[len(out) // 2] ^= 0x40
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _FlippingSource:
+    """A sender's storage whose bytes go out damaged: its own files stay intact on its disk."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner, self._left = inner, [1]
+
+    def open_read(self, rel: str) -> Any:
+        return _FlippingReader(self._inner.open_read(rel), self._left)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _damaged_in_flight(rank: int, world: int, tmp: str) -> Any:
+    import shardsafe.local_tier as local_tier
+
+    if rank == 1:  # host b's copy of its file leaves it with one byte flipped
+        real = local_tier.exchange_files
+
+        def flipping(*args: Any, **kw: Any) -> list[str]:
+            group, r, global_rank, copies, source, *rest = args
+            return real(group, r, global_rank, copies, _FlippingSource(source), *rest, **kw)
+
+        local_tier.exchange_files = flipping  # type: ignore[assignment]
+    mgr = manager(tmp, "ab"[rank])
+    w = torch.zeros(ROWS // world, COLS, dtype=torch.float64)
+    m = torch.zeros_like(w)
+    train_step(w, m, rows_of(rank, world), 1)
+    mgr.save(1, state_of(rank, world, w, m, 1))
+    try:
+        mgr.wait()
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    finally:
+        mgr.close()
+    return None
+
+
+def test_a_copy_damaged_in_flight_fails_the_local_save(tmp_path: Path) -> None:
+    results = run_ranks(_damaged_in_flight, 2, str(tmp_path), timeout=240)
+    for rank, r in enumerate(results):
+        assert r is not None, f"rank {rank} committed a step with a damaged copy"
+        assert r["type"] == "CheckpointError", r
+        # the receiver names the file, the sender and itself, with their hosts
+        assert (
+            "the copy of data/rank-00001-00.bin from rank 1 (b) arrived damaged" in r["message"]
+        ), r["message"]
+        assert "on rank 0 (a): bytes " in r["message"], r["message"]
+    assert list((tmp_path / "local").rglob("manifest.json")) == []
+
+
 def _exchange(rank: int, world: int, tmp: str) -> Any:
     import torch.distributed as dist
 
@@ -333,6 +402,14 @@ def _exchange(rank: int, world: int, tmp: str) -> Any:
         for name, n in SIZES.items()
         if not (src == 1 and dst == 0 and name == "a.bin")
     ]
+    # every received copy is checked as it arrives: one extent from byte 5 to 3 short of the
+    # end, blocks of 64 bytes cut by the rounds of 100; rank 0 expects other bytes in r2-a.bin
+    checks = {}
+    for c in copies:
+        if c.dst == rank and c.nbytes > 8:
+            expected = _content(99 if c.name == "data/r2-a.bin" else c.src, c.nbytes)
+            sums = tuple(block_checksums(expected[5 : c.nbytes - 3], 64))
+            checks[c] = StreamCheck([Extent(c.name, 5, c.nbytes - 8, sums)], 64)
     errors = exchange_files(
         dist.group.WORLD,
         rank,
@@ -343,9 +420,11 @@ def _exchange(rank: int, world: int, tmp: str) -> Any:
         storage,
         lambda n: f"got/{n}",
         chunk_bytes=100,
+        checks=checks,
     )
     got = {c.name: storage.read_bytes(f"got/{c.name}") for c in copies if c.dst == rank}
-    return errors, got
+    verdicts = {c.name: check.finish() for c, check in checks.items()}
+    return errors, got, verdicts
 
 
 SIZES = {"a.bin": 1000, "b.bin": 0, "c.bin": 333, "d.bin": 77}
@@ -357,8 +436,15 @@ def _content(rank: int, n: int) -> bytes:
 
 def test_files_move_between_ranks_in_bounded_chunks(tmp_path: Path) -> None:
     results = run_ranks(_exchange, 3, str(tmp_path), timeout=120)
-    for rank, (errors, got) in enumerate(results):
+    for rank, (errors, got, verdicts) in enumerate(results):
         assert errors == []
+        assert len(verdicts) == {0: 5, 1: 3, 2: 3}[rank], verdicts
+        for name, bad in verdicts.items():
+            if rank == 0 and name == "data/r2-a.bin":  # every block differs, none is missing
+                assert len(bad) == 16 and all("never arrived" not in b for b in bad), bad
+                assert bad[0] == "bytes 5 (block 0 of an extent at 5)", bad
+            else:
+                assert bad == [], (rank, name, bad)
         for key, data in got.items():
             src, name = key.removeprefix("data/").split("-", 1)
             assert data == _content(int(src[1:]), SIZES[name]), (rank, key)

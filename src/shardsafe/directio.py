@@ -4,7 +4,8 @@ Where the file system's measured behaviour says it pays (:mod:`.io_policy`), asy
 from the page-aligned staging arena with ``O_DIRECT`` (no copy into cache pages, no page-cache
 growth under the training job), and large reads take the cached part of a file normally and
 the rest with ``O_DIRECT``, straight into aligned destinations. File systems that refuse
-direct I/O fall back to buffered I/O by themselves.
+direct I/O fall back to buffered I/O by themselves; on a RAM disk (tmpfs), whose files are
+page-cache pages, it is never used, in any mode.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from .codec import array_view
 from .errors import ValidationError
 from .format import LARGE_ITEM
-from .io_policy import DeviceProbe, Policy
+from .io_policy import DeviceProbe, Policy, in_memory
 from .storage.base import ByteWriter, FileReader, Storage
 
 ENV_VAR = "SHARDSAFE_DIRECT_IO"
@@ -144,16 +145,25 @@ class DirectIO:
         self.mode = direct_io_mode(mode)
         self.probe = probe if probe is not None else DeviceProbe()
         self.pool = BouncePool()
+        self._memory: dict[int, bool] = {}  # device number -> on a RAM disk
 
     def policy(self, storage: Storage, writing: bool = False) -> Policy:
         """What direct I/O does on ``storage``'s file system in this mode; in ``auto``, only a
         save (``writing``) measures a file system not measured yet."""
         if self.mode == "never" or not storage.direct_io:
             return Policy(False, False)
+        root = _existing(storage.path(""))  # type: ignore[attr-defined]
+        if self._in_memory(root):
+            return Policy(False, False)  # a RAM disk, in every mode: nothing to bypass
         if self.mode == "always":
             return Policy(True, True)
-        root = _existing(storage.path(""))  # type: ignore[attr-defined]
         return self.probe.policy(root, may_measure=writing)
+
+    def _in_memory(self, root: str) -> bool:
+        dev = os.stat(root).st_dev
+        if dev not in self._memory:
+            self._memory[dev] = in_memory(root)
+        return self._memory[dev]
 
     def wants(self, storage: Storage, items: Sequence[tuple[Any, memoryview | bytes]]) -> bool:
         """Whether to write these items with direct I/O."""

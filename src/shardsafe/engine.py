@@ -67,7 +67,11 @@ def write_data_file(
     pos = 0
     dio = direct_io if direct_io is not None else DirectIO()
     # a stream of items (converters) is never held in memory to decide: the page cache
-    direct = dio.wants(storage, items) if isinstance(items, Sequence) else dio.mode == "always"
+    direct = (
+        dio.wants(storage, items)
+        if isinstance(items, Sequence)
+        else dio.mode == "always" and dio.policy(storage, True).writes
+    )
     with open_data_file(storage, rel, direct, dio.pool) as f:
         for ident, data in items:
             nbytes = len(memoryview(data).cast("B")) if isinstance(data, memoryview) else len(data)

@@ -75,9 +75,14 @@ def decide(m: Measurement) -> Policy:
     return Policy(m.write_direct <= m.write_buffered, m.read_direct < m.read_buffered)
 
 
-def file_system_key(directory: str) -> tuple[str, str]:
-    """``(key, mount point)`` of the file system holding ``directory``: the key names the host,
-    the device number and the file system type, which is what a measurement describes."""
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+"""File systems whose files live in memory (a RAM disk such as ``/dev/shm``): the page cache
+is their storage, so ``O_DIRECT`` has nothing to bypass (recent kernels accept it on tmpfs and
+copy through the cache anyway) and is never used or measured there."""
+
+
+def _mount_of(directory: str) -> tuple[int, int, str, str]:
+    """``(major, minor, file system type, mount point)`` of the file system holding ``directory``."""
     dev = os.stat(directory).st_dev
     major, minor = os.major(dev), os.minor(dev)
     fstype, mount = "?", "?"
@@ -88,7 +93,19 @@ def file_system_key(directory: str) -> tuple[str, str]:
                 mount = fields[4]
                 fstype = line.split(" - ", 1)[1].split()[0]
                 break
+    return major, minor, fstype, mount
+
+
+def file_system_key(directory: str) -> tuple[str, str]:
+    """``(key, mount point)`` of the file system holding ``directory``: the key names the host,
+    the device number and the file system type, which is what a measurement describes."""
+    major, minor, fstype, mount = _mount_of(directory)
     return f"{socket.gethostname()} {major}:{minor} {fstype}", mount
+
+
+def in_memory(directory: str) -> bool:
+    """Whether ``directory`` lies on a RAM disk (:data:`MEMORY_FILE_SYSTEMS`)."""
+    return _mount_of(directory)[2] in MEMORY_FILE_SYSTEMS
 
 
 def measure(directory: str, nbytes: int = PROBE_BYTES, repeat: int = 2) -> Measurement:

@@ -12,6 +12,12 @@ local step directory is an ordinary shardsafe checkpoint that may lack the files
 elsewhere. What the tier adds is that replication, the drain into the persistent tier and
 retention in each place.
 
+What a local save moves: each rank writes each of its bytes once, into its own file in its
+place; the copy is streamed to each peer by reading that file (no second local write), and
+each peer writes it once into its own place, checking the block checksums as the bytes arrive
+(:class:`shardsafe.checksum.StreamCheck`; nothing copied is read back). Every byte is so
+written on ``replicas + 1`` hosts, once on each.
+
 A node's disk outlives the job, and several runs may share one ``local_root``: each run keeps
 its steps in its own directory ``<local_root>/run-<key>/``, the key a digest of the run's
 identity (the ``run_id`` the user gave, else the persistent root as the coordinator resolves
@@ -39,11 +45,10 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as tdist
 
-from .checksum import DEFAULT_BLOCK_BYTES
+from .checksum import DEFAULT_BLOCK_BYTES, StreamCheck
 from .commit import assemble, commit, publish_manifest
 from .directory import StepDirectory, parse_step
 from .dist import Comm, error_record, get_comm, outcome, raise_for
-from .engine import DEFAULT_MAX_BUFFER, verify_written
 from .errors import CheckpointError, DistributedError
 from .format import Extent, Manifest
 from .lease import LEASE_SECONDS, Lease
@@ -512,8 +517,16 @@ class LocalTier:
             for dst in self.peers[comm.rank]
             for n, s in sorted(offer["files"].items())
         ]
+        # each copy is checked as it arrives against its sender's block checksums: no copied
+        # byte is read back (the size on disk is still compared, for bytes outside extents)
+        checks: dict[Copy, StreamCheck] = {}
         for src, theirs in sorted(offers.items()):
-            copies += [Copy(n, s, src, comm.rank) for n, s in sorted(theirs["files"].items())]
+            by_file: dict[str, list[Extent]] = theirs["extents"]
+            for n, s in sorted(theirs["files"].items()):
+                c = Copy(n, s, src, comm.rank)
+                copies.append(c)
+                if n not in theirs["refused"]:
+                    checks[c] = StreamCheck(by_file.get(n, []), self.block_bytes)
         try:
             errors += self.copy_round(
                 lambda: exchange_files(
@@ -525,37 +538,28 @@ class LocalTier:
                     lambda n: f"{work}/{n}",
                     storage,
                     lambda n: f"{work}/{n}",
+                    checks=checks,
                 ),
                 {c.src if c.dst == comm.rank else c.dst for c in copies},
             )
         except DistributedError as e:
             return {}, error_record(e)
         received: dict[str, int] = {}
-        for src, theirs in sorted(offers.items()):
-            by_file: dict[str, list[Extent]] = theirs["extents"]
-            for n, s in sorted(theirs["files"].items()):
-                if n in theirs["refused"]:
-                    continue  # never written: exchange_files refused the name
-                rel = f"{work}/{n}"
-                try:
-                    bad = verify_written(
-                        storage,
-                        rel,
-                        by_file.get(n, []),
-                        self.block_bytes,
-                        DEFAULT_MAX_BUFFER,
-                        evict=False,
-                    )
-                    size = storage.size(rel)
-                except Exception as e:
-                    bad, size = [str(e)], -1
-                if bad or size != s:
-                    errors.append(
-                        f"the copy of {n} from rank {src} ({self.places[src][0]}) arrived damaged on "
-                        f"rank {comm.rank} ({self.host}): {bad[0] if bad else f'{size} of {s} bytes'}"
-                    )
-                else:
-                    received[n] = s
+        for c, check in checks.items():  # refused names were never written: no entry
+            rel = f"{work}/{c.name}"
+            try:
+                bad = check.finish()
+                size = storage.size(rel)
+            except Exception as e:
+                bad, size = [str(e)], -1
+            if bad or size != c.nbytes:
+                errors.append(
+                    f"the copy of {c.name} from rank {c.src} ({self.places[c.src][0]}) arrived "
+                    f"damaged on rank {comm.rank} ({self.host}): "
+                    f"{bad[0] if bad else f'{size} of {c.nbytes} bytes'}"
+                )
+            else:
+                received[c.name] = c.nbytes
         if errors:
             failure = CheckpointError(
                 f"copying local-tier files between hosts failed: {'; '.join(errors[:5])}"

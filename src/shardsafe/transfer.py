@@ -10,18 +10,23 @@ zeros, dropping what it receives) and reports its error afterwards, so a local f
 never leaves a peer blocked. A file name that is not a checkpoint file's
 (:func:`shardsafe.peers.check_offered`) is never opened on either end: its bytes still move
 (zeros from the sender, dropped by the receiver) and both report the refusal.
+
+A receiver given a :class:`shardsafe.checksum.StreamCheck` for a copy feeds it the copy's bytes
+as they arrive, so that the copy is checked against its sender's block checksums without
+being read back from disk.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, BinaryIO, cast
 
 import torch
 import torch.distributed as tdist
 
+from .checksum import StreamCheck
 from .codec import array_view
 from .errors import CheckpointError
 from .peers import Copy, check_offered
@@ -69,11 +74,14 @@ def exchange_files(
     target: Storage,
     target_rel: Callable[[str], str],
     chunk_bytes: int = CHUNK_BYTES,
+    checks: Mapping[Copy, StreamCheck] | None = None,
 ) -> list[str]:
     """Send the copies this rank is the source of and receive those it is the destination of.
 
     Files are read from ``source`` at ``source_rel(name)`` and written (created, fsynced) to
-    ``target`` at ``target_rel(name)``. Returns this rank's errors (empty on success); it
+    ``target`` at ``target_rel(name)``. Each received copy that has an entry in ``checks`` is
+    fed to it, in file order, as it arrives (whether or not its write succeeds); the caller
+    reads the verdict from it afterwards. Returns this rank's errors (empty on success); it
     never raises for an I/O failure or a refused name, so that every rank finishes every round.
     """
     outgoing, incoming = _streams(copies, rank)
@@ -153,7 +161,10 @@ def exchange_files(
             start = j * chunk_bytes
             for src, buf, stop in received:
                 view = array_view(buf.numpy())
-                for i, _off, at, n in _segments(incoming[src], start, stop):
+                for i, off, at, n in _segments(incoming[src], start, stop):
+                    check = checks.get(incoming[src][i]) if checks else None
+                    if check is not None and incoming[src][i].name not in refused:
+                        check.feed(off, view[at : at + n])
                     f = writer(src, i)
                     if f is None:
                         continue
