@@ -59,6 +59,7 @@ from launch import launch as spawn_ranks
 
 import shardsafe
 from shardsafe import CheckpointManager, ShardedTensor
+from shardsafe.checksum import block_checksums
 from shardsafe.directio import PageResidency
 
 MIB = 1 << 20
@@ -252,6 +253,16 @@ def task_limits(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     f.write(v[i : i + chunk])
             os.fsync(f.fileno())
 
+    def write_cached() -> None:  # into the page cache only (a RAM disk's write)
+        with open(path, "wb", buffering=0) as f:
+            for v in views:
+                for i in range(0, len(v), chunk):
+                    f.write(v[i : i + chunk])
+
+    def checksum() -> None:  # the block checksums a save computes (and a copy's check again)
+        for v in views:
+            block_checksums(v, 4 * MIB)
+
     def read_cached() -> None:  # into this rank's tensors, as a restore does
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -304,6 +315,8 @@ def task_limits(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     direct = hasattr(os, "O_DIRECT")
     for _ in range(cfg["repeat"]):
         add("memcpy", memcpy)
+        add("checksum", checksum)
+        add("write_page_cache", write_cached)
         add("write_fsync", write)
         add("read_page_cache", read_cached)
         if direct:
@@ -670,6 +683,8 @@ def report(results: dict[str, Any]) -> str:
             "   limits, same bytes per rank, all ranks at once: "
             + ", ".join(f"{n} {lim[k]:.3f} s" for n, k in ref_names if k in lim)
             + f", gloo send host a -> b {lim.get('gloo_p2p', float('nan')):.3f} s"
+            + f", checksum {lim.get('checksum', float('nan')):.3f} s"
+            + f", page-cache write {lim.get('write_page_cache', float('nan')):.3f} s"
         )
         spawn = med([s["start_to_ready"] for ss in run["restores"].values() for s in ss])
         cached = max(s["cached_before"] for ss in run["restores"].values() for s in ss)
@@ -719,6 +734,21 @@ def report(results: dict[str, Any]) -> str:
             f"   -> from about local_every >= {math.ceil(off / base)} a local save no longer waits "
             f"for the previous one (the last row: local_every = {st['local_every']}, from the "
             f"--step-ms target, run after the others, {len(st['local_every_n']['step_times'])} steps)"
+        )
+        floor = (
+            lim.get("memcpy", 0.0)
+            + 2 * lim.get("checksum", 0.0)
+            + 2 * lim.get("write_page_cache", 0.0)
+            + lim.get("read_page_cache", 0.0)
+            + lim.get("gloo_p2p", 0.0)
+        )
+        p(
+            f"   floor of a local save's CPU work per rank, from the limits above: stage (memcpy) "
+            f"+ checksum at the write and in the copy's check + its file and the copy it receives "
+            f"into the page cache + the read to send + the send = {floor * 1e3:.0f} ms; where the "
+            f"ranks keep every core busy (here {w} ranks, {os.cpu_count()} cores) a save every "
+            f"step costs at least {floor / base:.0%} of a {base * 1e3:.0f} ms step: 5 % needs a "
+            f"step of {floor * 20 * 1e3:.0f} ms or more, or idle cores"
         )
         p(
             f"3. verify_after_write, one local save, call to committed on every host: {off:.3f} s "
