@@ -495,6 +495,57 @@ def test_a_place_with_an_unreadable_manifest_takes_the_step_from_another(
     assert not [p for p in place(run, "b").iterdir() if "unreadable" in p.name]
 
 
+def _restore_model_only(rank: int, world: int, tmp: str, hosts: list[str]) -> Any:
+    """A restore that reads step 13's files, then fails in the load (not for damage): the
+    template asks for the model only and ``strict="raise_all"`` refuses the unread optimizer."""
+    mgr = manager(tmp, hosts[rank])
+    w = torch.full((ROWS // world, COLS), float("nan"), dtype=torch.float64)
+    state = state_of(rank, world, w, torch.zeros_like(w), 0)
+    del state["optim"]
+    try:
+        mgr.restore(state, strict="raise_all")
+    finally:
+        mgr.close()
+    raise AssertionError("the restore accepted a template missing the optimizer")
+
+
+def test_a_fetched_copy_becomes_the_step_only_once_loaded(trained: Path, tmp_path: Path) -> None:
+    """A host that lost its disk fetches the step into a directory of its own, loads from it
+    while its files are synced, and only then renames it into place."""
+    run = fresh_copy(trained, tmp_path)
+    shutil.rmtree(run / "local" / "b")
+    with pytest.raises(RankFailure) as info:
+        run_ranks(
+            _restore_model_only,
+            3,
+            str(run),
+            ["a", "a", "c"],
+            timeout=240,
+            start_method="forkserver",
+        )
+    assert all("requested by no rank" in e for e in info.value.errors.values()), info.value.errors
+    # the load failed: host c's copy is not published as the step
+    assert not (place(run, "c") / "step_000000013").exists()
+    results = run_ranks(
+        _restore, 3, str(run), ["a", "a", "c"], timeout=240, start_method="forkserver"
+    )
+    assert {r["restored"] for r in results} == {13}
+    assert all(r["tier"] == "local" for r in results)
+    check_exact(results, 13)
+    # now it is, holding what rank 2 read (its files, as host a holds them), nothing left aside
+    step = place(run, "c") / "step_000000013"
+    assert (step / "manifest.json").read_bytes() == (
+        place(run, "a") / "step_000000013" / "manifest.json"
+    ).read_bytes()
+    fetched = sorted(p.name for p in (step / "data").iterdir())
+    assert fetched
+    for name in fetched:
+        assert (step / "data" / name).read_bytes() == (
+            place(run, "a") / "step_000000013" / "data" / name
+        ).read_bytes()
+    assert not [p.name for p in place(run, "c").iterdir() if "shardsafe-tmp" in p.name]
+
+
 def test_a_drained_step_stays_committed_when_its_bookkeeping_fails(
     s3_bucket_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

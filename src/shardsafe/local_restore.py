@@ -6,18 +6,23 @@ holds of every committed local step) names the steps complete across places. For
 step each place fetches what its ranks will read (:func:`shardsafe.loading.files_to_read`)
 from a rank that holds a copy (:func:`shardsafe.peers.plan_copies`,
 :func:`shardsafe.transfer.exchange_files`), checks every copy against the manifest before
-renaming it into place, and loads. When the load finds damage, every place checks the copies
-its ranks read, bad ones are replaced from other holders and the load runs again; a file with
-no intact copy left fails the step (the caller marks it and tries the next).
+renaming it into place, and loads. A place that held none of the step fetches into a
+directory of its own and loads from it while its leader makes the fetched files durable (the
+load reads them from the page cache meanwhile); the directory becomes the step once both are
+done. When the load finds damage, every place checks the copies its ranks read, bad ones are
+replaced from other holders and the load runs again; a file with no intact copy left fails the
+step (the caller marks it and tries the next).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
-from typing import Any, cast
+from typing import Any, BinaryIO, cast
 
 from .checksum import digest
 from .directory import StepDirectory, parse_step
@@ -34,6 +39,7 @@ from .loading import files_to_read
 from .local_tier import LocalPlaces
 from .location import locate
 from .peers import Place, check_offered, check_offered_size, complete_steps, plan_copies
+from .storage.local import LocalStorage
 from .transfer import exchange_files
 
 log = logging.getLogger("shardsafe")
@@ -112,7 +118,9 @@ def restore(
     load_into: Callable[[str], Any],
 ) -> Any:
     """Collective: make every place hold the files of step ``name`` its ranks will read
-    (fetching verified copies from other places), then ``load_into(this place's path)``."""
+    (fetching verified copies from other places), then ``load_into(this place's copy)``. A
+    place that held none of the step loads from the directory it fetched into, which becomes
+    the step once the load succeeded and its files are synced."""
     if name in inv.get("conflicts", {}):  # the same inventory on every rank: all raise here
         raise CorruptCheckpointError(
             f"local step {name}: the hosts hold different manifest.json files (place, xxh3 "
@@ -130,6 +138,10 @@ def restore(
     here = tier.place in has_step
     fresh = locate(os.path.join(tier.root, name)).tmp_name("restore")
     base = name if here else fresh
+
+    # where this place fetches into a fresh directory of a local disk, its files are synced
+    # all at once while the load reads them (:class:`_Syncing`), not one by one on arrival
+    defer = not here and isinstance(storage, LocalStorage)
 
     def dir_of(place: Place) -> str:
         return name if place in has_step else fresh
@@ -149,14 +161,17 @@ def restore(
             dir_of,
             token,
             None,
+            sync=not defer,
         )
+    # 2. the files every rank will read (one gather: whether each read the manifest, and what
+    # it needs from it)
     manifest, err = outcome(lambda: _read_manifest(storage, base, inv["digests"][name]))
-    _agree(tier, err, f"restore of local step {name}")
-    assert manifest is not None
-    # 2. the files every rank will read
-    mine, err = outcome(lambda: sorted(files_to_read(template, manifest)))
+    mine: list[str] | None = None
+    if manifest is not None:
+        mine, err = outcome(lambda: sorted(files_to_read(template, manifest)))
     needs = _gather(tier, {"error": err, "files": mine}, f"restore of local step {name}: files")
     raise_for([cast(dict[str, Any], n)["error"] for n in needs], f"restore of local step {name}")
+    assert manifest is not None
     needed: dict[Place, set[str]] = {}
     for rank, n in enumerate(needs):
         sender = f"rank {rank} ({tier.places[rank][0]})"
@@ -168,27 +183,62 @@ def restore(
             )
         needed.setdefault(tier.places[rank], set()).update(files)
     extents = _extents_by_file(manifest)
-    # 3. fetch what each place lacks from places that hold it (each copy verified on arrival)
+    # 3. fetch what each place lacks from places that hold it (each copy verified on arrival);
+    # into a directory of the place's own, written without an fsync per file: its leader syncs
+    # them all while the load reads them from the page cache
     check = (extents, manifest.block_bytes)
-    _fetch(tier, needed, held, sizes, dir_of, token, check)
-    err = None
-    if not here and tier.leader:
+    _fetch(tier, needed, held, sizes, dir_of, token, check, sync=not defer)
+    syncing = (
+        _Syncing(storage, base)
+        if defer and tier.leader and isinstance(storage, LocalStorage)
+        else None
+    )
+    try:
+        result = _load_repairing(
+            tier, name, load_into, needed, held, sizes, dir_of, token, extents, manifest, syncing
+        )
+    finally:
+        err = syncing.join() if syncing is not None else None
+    # 4. the fetched directory becomes the step once every rank of its place has loaded from it
+    # and its files are durable
+    if err is None and not here and tier.leader:
         _, err = outcome(lambda: _publish_fetched(tier, storage, base, name, inv))
-    _agree(tier, err, f"restore of local step {name}")  # every place has published its directory
-    path = os.path.join(tier.root, name)
+    _agree(tier, err, f"restore of local step {name}")
+    return result
+
+
+def _load_repairing(
+    tier: LocalPlaces,
+    name: str,
+    load_into: Callable[[str], Any],
+    needed: Mapping[Place, set[str]],
+    held: Mapping[Place, Mapping[str, int]],
+    sizes: Mapping[str, int],
+    dir_of: Callable[[Place], str],
+    token: str,
+    extents: Mapping[str, list[Extent]],
+    manifest: Manifest,
+    syncing: _Syncing | None,
+) -> Any:
+    """``load_into`` this place's copy of the step; when the load finds damage, every place
+    checks the copies its ranks read, bad ones are replaced from other holders, and the load
+    runs again."""
+    base = dir_of(tier.place)
+    path = os.path.join(tier.root, base)
     try:
         return load_into(path)  # verifies every block it reads
     except CheckpointError as e:
         if not is_damaged_checkpoint(e):
             raise
         failure = e
-    # 4. a local copy was damaged: find which (every place checks what its ranks read),
-    # replace them from places with an intact copy, and load again
+    if syncing is not None:  # its files are checked and replaced below: no sync walks them now
+        syncing.join()
     now = {p: {**held.get(p, {}), **{n: sizes[n] for n in needed.get(p, ())}} for p in held}
-    refused = _verify_held(tier, needed, now, name, extents, manifest.block_bytes)
+    refused = _verify_held(tier, needed, now, base, extents, manifest.block_bytes)
     if not refused:
         raise failure
-    _fetch(tier, needed, now, sizes, lambda p: name, token, check, refused)
+    check = (extents, manifest.block_bytes)
+    _fetch(tier, needed, now, sizes, dir_of, token, check, refused)
     _gather(tier, None, f"restore of local step {name}: replaced copies")
     log.warning(
         "restore: local step %s: replaced %d damaged cop%s from other hosts; loading again",
@@ -197,6 +247,71 @@ def restore(
         "y" if len(refused) == 1 else "ies",
     )
     return load_into(path)
+
+
+class _Syncing:
+    """fsync every file under ``base`` (then its directories) in a thread of its own: the
+    fetched files go to disk while the load reads them from the page cache."""
+
+    def __init__(self, storage: LocalStorage, base: str) -> None:
+        self._where = storage.describe(base)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(storage, base), name="shardsafe-restore-sync", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, storage: LocalStorage, base: str) -> None:
+        try:
+            _sync_tree(storage, base)
+        except BaseException as e:
+            self._error = e
+
+    def join(self) -> dict[str, Any] | None:
+        """Wait for the sync; an error record (:func:`shardsafe.dist.outcome`'s) or None."""
+        self._thread.join()
+        if self._error is None:
+            return None
+        error = self._error
+
+        def fail() -> None:
+            raise CheckpointError(
+                f"cannot make the copies fetched into {self._where} durable "
+                f"({type(error).__name__}: {error}); the step stays unpublished on this host"
+            ) from error
+
+        return outcome(fail)[1]
+
+
+def _sync_tree(storage: LocalStorage, rel: str) -> None:
+    for entry in storage.list_dir(rel):
+        child = f"{rel}/{entry}"
+        if storage.is_dir(child) and not storage.is_link(child):
+            _sync_tree(storage, child)
+            continue
+        fd = os.open(storage.path(child), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    storage.sync_dir(rel)
+
+
+class _Unsynced(LocalStorage):
+    """The tier's storage, writing new files without an fsync each (:class:`_Syncing` makes
+    them durable before their directory becomes a step)."""
+
+    @contextlib.contextmanager
+    def open_write(self, rel: str) -> Iterator[BinaryIO]:
+        path = self.path(rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path, "xb", buffering=0) as f:
+                yield f
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(path)  # never leave a partial file that looks written
+            raise
 
 
 def _publish_fetched(
@@ -267,13 +382,16 @@ def _fetch(
     token: str,
     check: tuple[Mapping[str, list[Extent]], int] | None,
     refused: set[tuple[Place, str]] | None = None,
+    sync: bool = True,
 ) -> None:
     """Copy files to the places that need them; a copy that arrives damaged is refused
     and fetched again from another holder. Raises the same error on every rank when a
-    file has no intact copy left."""
+    file has no intact copy left. Without ``sync`` this rank writes what it receives without
+    an fsync per file (the caller makes the files durable)."""
     comm = tier.comm
     refused = set(refused or ())
     storage = tier.dir.storage
+    target = storage if sync else _Unsynced(storage.root)
     base = dir_of(tier.place)
     for _attempt in range(len(tier.ranks_of) + 1):
         copies, unavailable = plan_copies(needed, held, sizes, tier.ranks_of, refused)
@@ -285,10 +403,10 @@ def _fetch(
             )
         if not copies:
             return
-        if tier.leader:
+        if any(c.dst == comm.rank for c in copies):
+            # a receiver makes the directory it writes into (the place's leader cleared a
+            # fresh one before the gathers that led here)
             storage.make_dir(f"{base}/data")
-        # the directories exist before anyone writes into them
-        _gather(tier, None, "restore: fetching copies")
         try:
             errors = tier.copy_round(
                 partial(
@@ -299,7 +417,7 @@ def _fetch(
                     copies,
                     storage,
                     partial(_joined, base),
-                    storage,
+                    target,
                     partial(_part, base, token=token),
                 ),
                 {
