@@ -59,20 +59,24 @@ every waiting rank raises the same :class:`~shardsafe.errors.DistributedError`. 
   verdict fills the key of each rank lost (``each``) rather than one wait's key;
 * a process that finished and exited normally is awaited by nobody, hence never named.
 
-Store load: one beat per process per :data:`INTERVAL` (1 s), whether or not anyone waits
-(two while a save is open).
-While a wait lasts, each waiting rank adds two requests per interval (a check of the wait's
-key, a read of the coordinator's beat) and the coordinator two per rank that has not arrived
-yet (a wait that every rank reaches within an interval costs nothing more); a long scan
-beats in between, so the coordinator is never silent itself. Measured with
+Store load: per process and :data:`INTERVAL` (1 s), one beat and one ``multi_get`` of the
+counters it watches, whether or not anyone waits (twice that while a save is open).
+While a wait lasts, each waiting rank adds one request per interval (a check of the wait's
+key) and the coordinator one per rank that has not arrived yet (its arrival key; a wait
+that every rank reaches within an interval costs nothing more); a long scan beats in
+between, so the coordinator is never silent itself. Measured with
 ``benchmarks/bench_liveness.py`` (a TCPStore server in its own process, client processes
-running this heartbeat and :meth:`~shardsafe.dist.Comm.arrive`'s wait; 2-core x86_64 VM,
-load average 11 to 17): 64 ranks idle 64 requests/s and 0.23 % of a core on the server, every
-rank waiting 191/s and 0.47 %; 128 ranks 128/s, 0.40 % and 375/s, 0.97 %. At 25 to 35 µs of
-server CPU a request, 4,096 ranks would make 4,096 requests/s idle (about 12 % of a core)
-and 12,300/s while all wait (about 35 %), a linear extrapolation: the 8,192 connections such
-a server holds (two per process) were not measured, and the coordinator's scan of 4,095
-absent ranks is 8,190 round trips from one thread (about 0.8 s at 100 µs each).
+running this heartbeat and :meth:`~shardsafe.dist.Comm.arrive`'s wait; 2-core x86_64 VM
+shared with other jobs, load average 6 to 10): 64 ranks idle 123 requests/s and 0.75 % of
+a core on the server, every rank waiting 192/s and 0.90 %; 128 ranks 256/s, 1.45 % and
+381/s, 1.55 %. Reading the counters every beat doubled the idle requests and tripled the
+server's idle CPU (the same run of the earlier protocol, one beat a second and reads only
+while waiting: 63/s, 0.25 % at 64 ranks); waiting costs the same. At 40 to 60 µs of server
+CPU a request (the coordinator's ``multi_get`` reads every rank's counter), 4,096 ranks would
+make 8,192 requests/s idle (about 40 % of a core) and 12,300/s while all wait (about 60 %), a
+linear extrapolation: the 8,192 connections such a server holds (two per process) were not
+measured, and the coordinator's scan of 4,095 absent ranks is 4,095 round trips from one
+thread (about 0.4 s at 100 µs each).
 """
 
 from __future__ import annotations
