@@ -350,8 +350,8 @@ class Heartbeat:
                 values = [
                     int(bytes(v).decode()) for v in client.multi_get([beat_key(g) for g in ranks])
                 ]
-            except (NotImplementedError, AttributeError):  # a store without it
-                self._multi = False
+            except (NotImplementedError, AttributeError, RuntimeError):  # a store without it
+                self._multi = False  # (a lost store fails the reads below too, and says so)
         if not self._multi:
             values = [int(client.add(beat_key(g), 0)) for g in ranks]
         now = time.monotonic()
