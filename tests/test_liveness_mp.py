@@ -423,3 +423,64 @@ def test_frozen_store_host_is_named_on_every_survivor(tmp_path: Path, where: str
         assert "restart the job on every rank" in rec["message"], rec
         assert rec["seconds"] < BOUND, rec
         print(f"rank {r}: {rec['seconds']:.1f} s: {rec['message'][:300]}")
+
+
+# -- a rank frozen inside its own arrival -----------------------------------------------------
+class _FreezeOnCount:
+    """The store, for a rank that freezes after posting its arrival, before counting itself."""
+
+    def __init__(self, store: Any, out: Path) -> None:
+        self._store, self._out = store, out
+
+    def add(self, key: str, n: int) -> int:
+        if key.endswith("/count"):
+            (self._out / "pid2").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(TIMEOUT)  # not reached unless continued
+        return int(self._store.add(key, n))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def _frozen_inside_arrival(rank: int, world: int, base: str) -> None:
+    from shardsafe.dist import Comm, get_comm
+
+    out = Path(base)
+    comm = get_comm()
+    comm.dead_after = DEAD
+    if rank == 2:
+        real = Comm._wait_for_all
+
+        def freezing(self: Comm, store: Any, *args: Any) -> None:
+            real(self, _FreezeOnCount(store, out), *args)
+
+        Comm._wait_for_all = freezing  # type: ignore[method-assign]
+
+    def op() -> None:
+        comm.arrive("before the all-gather", TIMEOUT, DEAD)
+        comm.all_gather({"rank": rank})
+
+    _survive(rank, out, op)
+    if rank == 0:  # hosting the store: rank 1 reads the verdict through it before rank 0 leaves
+        deadline = time.monotonic() + BOUND
+        while not (out / "rank1.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(int((out / "pid2").read_text()), signal.SIGKILL)  # it would outlive the test
+
+
+@pytest.mark.timeout(240)
+def test_rank_frozen_inside_its_arrival_is_named_on_every_survivor(tmp_path: Path) -> None:
+    """Rank 2 posts its arrival and freezes before counting itself, so the count never reaches
+    the world size: the coordinator's heartbeat, seeing every arrival posted, ends the wait,
+    and the all-gather after it names rank 2 (it used to hold every rank for the timeout)."""
+    try:
+        _run_losing_rank_2(_frozen_inside_arrival, str(tmp_path))
+    finally:
+        _end_rank_2(tmp_path)
+    for r in (0, 1):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "DistributedError", rec
+        assert f"rank 2 on {socket.gethostname()}" in rec["message"], rec
+        assert "stopped heartbeating" in rec["message"], rec
+        assert rec["seconds"] < BOUND, rec

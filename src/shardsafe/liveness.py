@@ -32,6 +32,9 @@ every waiting rank raises the same :class:`~shardsafe.errors.DistributedError`. 
   ``dead_after`` by then (a rank this process never watched before, such as a copy round's
   peer on another host, is counted from the wait's first look, as before);
 * a rank that is slow but beating is waited for until the wait's own ``timeout``;
+* a rank that froze or died inside its own arrival, after posting it but before counting
+  itself (or setting the key as the last one), would hold every rank: the coordinator's
+  heartbeat, seeing every arrival posted, sets the key itself, and the next wait names it;
 * an exchange of point-to-point messages (the local tier's copy rounds, at save and restore)
   runs under :meth:`~shardsafe.dist.Comm.with_peers`: the heartbeat thread looks at the
   exchange's peers and hands its verdict to a callback instead of a key, so a peer that died
@@ -380,6 +383,11 @@ class Heartbeat:
             w.arrived.update(
                 r for r in w.ranks if r not in w.arrived and keys.check([w.arrived_key(r)])
             )
+            if w.done_key is not None and len(w.arrived) == len(w.ranks):
+                # every rank arrived, but the last one froze or died before it counted itself
+                # or set the key: the wait is over all the same (the next one names that rank)
+                keys.compare_set(w.done_key, "", "1")
+                return
         pending = [r for r in w.ranks if r not in w.arrived and r not in w.named]
         if pending and w.log_every and now - w.last_log >= w.log_every:
             w.last_log = now
