@@ -41,15 +41,18 @@ log = logging.getLogger("shardsafe")
 class SaveTarget(Protocol):
     """Where and how a save is published; the Saver calls these in this order.
 
-    ``what`` names the save in errors. ``begin_places`` (collective, after planning, in which
-    the coordinator already took its lease with :func:`shardsafe.save_target.begin`) prepares every other place the
-    save writes to. ``decide`` (the coordinator, once every rank's write record is in) returns
+    ``what`` names the save in errors; ``leads_place`` says this rank publishes in a place of
+    its own, whose lease planning takes when it can (:func:`shardsafe.save_plan.plan_save`).
+    ``begin_places`` (collective, after planning, in which the coordinator already took its
+    lease with :func:`shardsafe.save_target.begin`) prepares every other place the save writes
+    to that planning did not. ``decide`` (the coordinator, once every rank's write record is in) returns
     the outcome every rank gets; ``publish`` (every rank, with that outcome) makes it visible
     where this rank publishes. ``abort`` cleans up on this rank after the exchange failed
     (``decided``: the coordinator had run ``decide``).
     """
 
     what: str
+    leads_place: bool
 
     def begin_places(self, comm: Comm, planned: PlannedSave, overwrite: bool) -> None: ...
 
@@ -74,6 +77,7 @@ class SharedTarget:
     into the one shared location, the coordinator checks the files and publishes."""
 
     what = "save"
+    leads_place = False  # the coordinator publishes, in the one shared location
 
     def begin_places(self, comm: Comm, planned: PlannedSave, overwrite: bool) -> None:
         """The coordinator's lease and work directory (taken while planning) are all it needs."""

@@ -164,13 +164,17 @@ class PlaceTarget:
         self, leader: bool, host: str, lease_ttl: float, on_published: Callable[[str], None]
     ) -> None:
         self.leader = leader
+        self.leads_place = leader  # planning takes this place's lease when it can
         self.host = host
         self.lease_ttl = lease_ttl
         self.on_published = on_published  # the leader's retention after each publish
 
     def begin_places(self, comm: Comm, planned: PlannedSave, overwrite: bool) -> None:
         """Collective: every other place's leader takes the lease there and makes the work
-        directory (the coordinator did in planning)."""
+        directory (the coordinator did in planning, and so did every leader when the save's
+        token was known ahead: then there is nothing left to do, and no all-gather)."""
+        if planned.places_begun:
+            return
         err = None
         if self.leader and not comm.is_coordinator:
             planned.lease, err = outcome(

@@ -6,7 +6,11 @@ identically, are digested and compared. The coordinator validates the union and 
 writer per unique piece, balanced by bytes over the replicas. A cached plan
 (:class:`PlanCache`) is reused when every rank's full local structure is unchanged, agreed
 with one tiny all-gather. The coordinator also takes the save's lease
-(:func:`shardsafe.save_target.begin`). Errors of any rank reach every rank.
+(:func:`shardsafe.save_target.begin`), and so does each other rank that publishes in a place
+of its own (``leads_place``: the local tier's place leaders) when the save's token is known
+ahead: the coordinator draws the next save's token in each planning vote, so from the second
+save on those leases ride on planning's all-gather instead of needing one more. Errors of any
+rank reach every rank.
 """
 
 from __future__ import annotations
@@ -194,6 +198,9 @@ class PlanCache:
     entry: _CacheEntry | None = None
     hits: int = 0
     misses: int = 0
+    # the next save's token, drawn by the coordinator in this save's vote; taken (and cleared)
+    # by the next planning, so that a token is never used twice
+    next_token: str | None = None
 
 
 @dataclass
@@ -206,6 +213,8 @@ class PlannedSave:
     coordinator_plan: CoordinatorPlan | None
     cached: bool
     lease: Lease | None = None  # the coordinator's, renewed until commit or abort
+    # every place leader (``leads_place``) took its lease in planning under this token
+    places_begun: bool = False
 
 
 def plan_save(
@@ -218,8 +227,12 @@ def plan_save(
     timeout: float = 1800.0,
     lease_ttl: float = LEASE_SECONDS,
     dead_after: float = DEAD_AFTER,
+    leads_place: bool = False,
 ) -> PlannedSave:
-    """Collective: validate and plan (or reuse the cached plan); raise the same error everywhere."""
+    """Collective: validate and plan (or reuse the cached plan); raise the same error everywhere.
+
+    ``leads_place``: this rank publishes in a place of its own and takes its lease here too
+    when the token is known ahead (see the module docstring; ``places_begun`` says it was)."""
 
     def checked() -> tuple[SplitStateDict, LocalPlan, dict[str, str]]:
         check_content_metadata(content_metadata)
@@ -237,12 +250,16 @@ def plan_save(
         if cache and cache.entry and cache.entry.structure == structure
         else None
     )
-    token = uuid.uuid4().hex[:16]
+    ahead = cache.next_token if cache is not None else None
+    if cache is not None:
+        cache.next_token = None  # used once, whatever happens to this save
+    token = ahead if ahead is not None else uuid.uuid4().hex[:16]
     lease: Lease | None = None
-    if comm.is_coordinator and err is None:
+    if (comm.is_coordinator or (leads_place and ahead is not None)) and err is None:
         lease, err = outcome(lambda: begin(loc, token, overwrite, lease_ttl))
 
     def agree() -> PlannedSave:
+        nonlocal lease
         comm.arrive("save planning", timeout, dead_after)
         votes = comm.all_gather(
             {
@@ -250,8 +267,12 @@ def plan_save(
                 "error": err,
                 "token": token if comm.is_coordinator else None,
                 "digest": combined(digests),
+                "ahead": ahead,
+                "next": uuid.uuid4().hex[:16] if comm.is_coordinator else None,
             }
         )
+        if cache is not None:
+            cache.next_token = votes[0]["next"]
         errors = [v["error"] for v in votes]
         if not any(errors) and len({v["digest"] for v in votes}) > 1:
             every = comm.all_gather(digests)
@@ -260,6 +281,10 @@ def plan_save(
             )
         raise_for(errors, "save planning")
         agreed = votes[0]["token"]
+        begun = all(v["ahead"] == agreed for v in votes)
+        if not begun and lease is not None and not comm.is_coordinator:
+            abort(loc, token, lease)  # taken under a token the others do not share: not this save's
+            lease = None
         assert prepared is not None
         split, local_plan = prepared
         if candidate is not None and all(v["cached"] == candidate for v in votes):
@@ -274,6 +299,7 @@ def plan_save(
                 cache.entry.coordinator_plan,
                 True,
                 lease,
+                begun,
             )
 
         gathered = comm.gather(local_plan.to_json())
@@ -297,7 +323,7 @@ def plan_save(
             cache.misses += 1
             cache.entry = _CacheEntry(structure, reply["plan_id"], assignment, coordinator_plan)
         return PlannedSave(
-            loc, agreed, split, local_plan, assignment, coordinator_plan, False, lease
+            loc, agreed, split, local_plan, assignment, coordinator_plan, False, lease, begun
         )
 
     try:

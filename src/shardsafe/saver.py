@@ -486,6 +486,7 @@ class Saver:
             self.timeout,
             self.lease_ttl,
             self.dead_after,
+            self.target.leads_place,
         )
         self.target.begin_places(comm, planned, overwrite)
         return comm, planned, t0, time.perf_counter() - t0

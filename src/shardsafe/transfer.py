@@ -135,14 +135,18 @@ def exchange_files(
                 stop = min(start + chunk_bytes, out_len[dst])
                 if stop <= start:
                     continue
-                buf = torch.zeros(stop - start, dtype=torch.uint8)
+                # not zeroed: every byte is read from a file, or zeroed where none is (a refused
+                # name, a failed read), so no stale memory ever leaves this process
+                buf = torch.empty(stop - start, dtype=torch.uint8)
                 view = array_view(buf.numpy())
                 for i, off, at, n in _segments(files, start, stop):
                     if files[i].name in refused:
-                        continue  # zeros: the receiver drops them
+                        view[at : at + n] = bytes(n)  # zeros: the receiver drops them
+                        continue
                     try:
                         reader(dst, i).read_into(off, view[at : at + n])
                     except Exception as e:
+                        view[at : at + n] = bytes(n)
                         name = files[i].name
                         msg = f"cannot read {source.describe(source_rel(name))}: {e}"
                         if msg not in errors:
