@@ -172,7 +172,7 @@ def draw(seed: int, namespaces: bool = False) -> Fault:
     if f.stage == "restoring":
         f.first_layout = _layout(rng)
         f.victim = rng.randrange(len(f.first_layout))
-        if len(f.first_layout) == 1 or (
+        while len(f.first_layout) == 1 or (
             f.kind == "kill-host"
             and len({h for h in f.first_layout}) == 1  # the whole job would be gone
         ):
@@ -352,7 +352,12 @@ class _Armed:
             def hooked(*a: Any, _original: Any = original, _when: Any = when, **k: Any) -> Any:
                 if not shot[0] and _when(*a):
                     shot[0] = True
-                    self.later()
+                    if stage == "restoring":
+                        # at once: a restore may be over (its collectives with it) within the
+                        # delay, and a fault after them leaves nothing for survivors to meet
+                        self.fire()
+                    else:
+                        self.later()
                 return _original(*a, **k)
 
             setattr(owner, name, hooked)
