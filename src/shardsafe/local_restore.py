@@ -16,13 +16,12 @@ step (the caller marks it and tries the next).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, BinaryIO, cast
+from typing import Any, cast
 
 from .checksum import digest
 from .directory import StepDirectory, parse_step
@@ -301,17 +300,7 @@ class _Unsynced(LocalStorage):
     """The tier's storage, writing new files without an fsync each (:class:`_Syncing` makes
     them durable before their directory becomes a step)."""
 
-    @contextlib.contextmanager
-    def open_write(self, rel: str) -> Iterator[BinaryIO]:
-        path = self.path(rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            with open(path, "xb", buffering=0) as f:
-                yield f
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(path)  # never leave a partial file that looks written
-            raise
+    sync_writes = False
 
 
 def _publish_fetched(

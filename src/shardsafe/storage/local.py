@@ -24,6 +24,7 @@ from .base import RefusedFileError, Storage
 class LocalStorage(Storage):
     atomic_rename = True
     direct_io = True
+    sync_writes = True  # open_write fsyncs each file it closes (False: the caller syncs later)
 
     def __init__(self, root: str) -> None:
         super().__init__(os.path.abspath(os.fspath(root)))
@@ -76,8 +77,9 @@ class LocalStorage(Storage):
         try:
             with open(path, "xb", buffering=0) as f:
                 yield f
-                f.flush()
-                os.fsync(f.fileno())
+                if self.sync_writes:
+                    f.flush()
+                    os.fsync(f.fileno())
         except BaseException:
             with contextlib.suppress(OSError):
                 os.remove(path)  # never leave a partial file that looks written
