@@ -426,8 +426,24 @@ def test_lock_of_a_live_or_foreign_save_refused(tmp_path, host):
     lock = _lock(tmp_path)
     hostname = socket.gethostname() if host == "self" else "some-other-host.invalid"
     lock.write_text(f"{hostname} {os.getpid()} {time.time():.0f}")
-    with pytest.raises(CheckpointExistsError) as info:
-        shardsafe.save({"w": ST.from_rank_offsets("w", torch.ones(2))}, tmp_path / "ck")
+    stop = threading.Event()
+
+    def renew() -> None:  # a save on another host shows it is alive by renewing its lease
+        while not stop.wait(0.5):
+            fresh = tmp_path / "renewed-lock"  # replaced whole, as a save renews a lease
+            fresh.write_text(f"{hostname} {os.getpid()} {time.time():.0f}")
+            os.replace(fresh, lock)
+
+    renewing = threading.Thread(target=renew)
+    if host == "otherhost":
+        renewing.start()
+    try:
+        with pytest.raises(CheckpointExistsError) as info:
+            shardsafe.save({"w": ST.from_rank_offsets("w", torch.ones(2))}, tmp_path / "ck")
+    finally:
+        stop.set()
+        if renewing.is_alive():
+            renewing.join()
     msg = str(info.value)
     assert str(lock) in msg and "another save" in msg and "delete that lock file" in msg
     assert lock.exists(), "the lock of a running save must not be removed"
