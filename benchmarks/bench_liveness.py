@@ -89,7 +89,7 @@ def _client(rank: int, ranks: int, port: int, count: Any, go: Any, release: Any)
         "127.0.0.1", port, None, False, timedelta(seconds=300), wait_for_workers=False
     )
     store = Counting(raw, count, rank, threading.Lock())
-    beat = Heartbeat(store, rank)  # the real heartbeat thread, on a clone of this client
+    beat = Heartbeat(store, rank, ranks)  # the real heartbeat thread, on a clone of this client
     comm = Comm(None, rank, ranks, True)
     for phase, late in ((1, [ranks - 1]), (2, list(range(1, ranks)))):
         go[phase].wait()
@@ -175,11 +175,11 @@ def main() -> None:
 
 def _nominal(n: int) -> tuple[float, float, float]:
     """Requests per second the protocol makes at ``n`` ranks (liveness.py's docstring): one
-    beat per process; a waiting rank also checks the wait's key and reads the coordinator's
-    beat; the coordinator checks, for each absent rank, its arrival key and its beat."""
-    idle = n / INTERVAL
-    all_wait = idle + ((n - 2) * 2 + 1 + 2) / INTERVAL  # one absent rank
-    coordinator = idle + (1 + 2 * (n - 1)) / INTERVAL  # every other rank absent
+    beat per process and one ``multi_get`` of the counters it watches; a waiting rank also
+    checks the wait's key; the coordinator checks, for each absent rank, its arrival key."""
+    idle = 2 * n / INTERVAL
+    all_wait = idle + ((n - 1) + 1) / INTERVAL  # one absent rank
+    coordinator = idle + (1 + (n - 1)) / INTERVAL  # every other rank absent
     return idle, all_wait, coordinator
 
 

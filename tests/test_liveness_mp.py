@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -312,6 +313,171 @@ def test_rank_lost_inside_a_collective_is_named_on_every_survivor(tmp_path: Path
                 os.kill(int((tmp_path / "pid2").read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    for r in (0, 1):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "DistributedError", rec
+        assert f"rank 2 on {socket.gethostname()}" in rec["message"], rec
+        assert "stopped heartbeating" in rec["message"], rec
+        assert rec["seconds"] < BOUND, rec
+
+
+# -- silence counted from when the rank stopped ----------------------------------------------
+BUSY = 3 * DEAD  # the survivors write their share this long after rank 2 died
+
+
+def _lost_while_others_write(rank: int, world: int, base: str) -> None:
+    """Rank 2 dies as the second save's writing starts; ranks 0 and 1 write for ``BUSY`` s
+    (no wait of theirs looks at rank 2 meanwhile) before the commit's wait."""
+    import shardsafe.saver as saver_module
+
+    out = Path(base)
+    saver = shardsafe.Saver(timeout=TIMEOUT, dead_after=DEAD)
+    saver.save(_state(rank, world), out / "step1")
+    real = saver_module.write_share
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(BUSY)
+        return real(*args, **kwargs)
+
+    saver_module.write_share = hooked  # type: ignore[assignment]
+    _survive(rank, out, lambda: saver.save(_state(rank, world), out / "step2"))
+
+
+@pytest.mark.timeout(240)
+def test_silence_is_counted_from_when_the_rank_stopped(tmp_path: Path) -> None:
+    """The heartbeat samples the ranks it watches on every beat, wait or no wait: the verdict
+    counts rank 2's silence from its death (``BUSY`` s and more when the commit's wait starts),
+    not from the wait's first look (which named it ``dead_after`` s later, with about
+    ``dead_after`` s of silence)."""
+    _run_losing_rank_2(_lost_while_others_write, str(tmp_path))
+    for r in (0, 1):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "DistributedError", rec
+        assert f"rank 2 on {socket.gethostname()}" in rec["message"], rec
+        silence = re.search(r"stopped heartbeating ([0-9.]+) s ago", rec["message"])
+        assert silence is not None, rec
+        assert float(silence.group(1)) >= 2 * DEAD, rec  # counted from the death, not the wait
+        assert rec["seconds"] < BOUND, rec
+    assert not (tmp_path / "step2").exists()
+
+
+# -- a frozen store ---------------------------------------------------------------------------
+def _store_host_frozen(rank: int, world: int, base: str, where: str) -> None:
+    """Rank 0 hosts the process group's store (``tcp://`` rendezvous) and freezes: between two
+    saves, or inside an all-gather that every rank reached."""
+    from shardsafe.dist import get_comm
+
+    out = Path(base)
+    saver = shardsafe.Saver(timeout=TIMEOUT, dead_after=DEAD)
+    saver.save(_state(rank, world), out / "step1")
+    comm = get_comm()
+    comm.dead_after = DEAD
+    if where == "collective":
+        comm.arrive("before the all-gather", TIMEOUT, DEAD)
+        (out / f"arrived{rank}").write_text("")
+    if rank == 0:
+        deadline = time.monotonic() + BOUND  # every rank is through the arrival's store calls
+        while where == "collective" and time.monotonic() < deadline:
+            if all((out / f"arrived{r}").exists() for r in range(world)):
+                break
+            time.sleep(0.05)
+        (out / "pid0").write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(TIMEOUT)  # not reached unless continued
+    if where == "collective":
+        _survive(rank, out, lambda: comm.all_gather({"rank": rank}))
+    else:
+        _survive(rank, out, lambda: saver.save(_state(rank, world), out / "step2"))
+    if rank == 1:  # the frozen store host would otherwise outlive the test
+        (out / "rank1.done").write_text("")
+    if rank == 2:
+        deadline = time.monotonic() + BOUND
+        while not (out / "rank1.done").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(int((out / "pid0").read_text()), signal.SIGKILL)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("where", ["between-saves", "collective"])
+def test_frozen_store_host_is_named_on_every_survivor(tmp_path: Path, where: str) -> None:
+    """A store client's request to a frozen server never returns (nor do the heartbeats'):
+    the survivors must still raise, within the bound, naming the store and who hosts it."""
+    try:
+        with pytest.raises(RankFailure) as failed:
+            run_ranks(_store_host_frozen, WORLD, str(tmp_path), where, timeout=150, pg_timeout=120)
+        assert set(failed.value.errors) == {0}, failed.value.errors
+    finally:
+        if (tmp_path / "pid0").exists():
+            try:
+                os.kill(int((tmp_path / "pid0").read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for r in (1, 2):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "DistributedError", rec
+        assert "the process group's store at 127.0.0.1:" in rec["message"], rec
+        assert "stopped answering" in rec["message"], rec
+        assert f"rank 0, on {socket.gethostname()}" in rec["message"], rec
+        assert "restart the job on every rank" in rec["message"], rec
+        assert rec["seconds"] < BOUND, rec
+        print(f"rank {r}: {rec['seconds']:.1f} s: {rec['message'][:300]}")
+
+
+# -- a rank frozen inside its own arrival -----------------------------------------------------
+class _FreezeOnCount:
+    """The store, for a rank that freezes after posting its arrival, before counting itself."""
+
+    def __init__(self, store: Any, out: Path) -> None:
+        self._store, self._out = store, out
+
+    def add(self, key: str, n: int) -> int:
+        if key.endswith("/count"):
+            (self._out / "pid2").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(TIMEOUT)  # not reached unless continued
+        return int(self._store.add(key, n))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def _frozen_inside_arrival(rank: int, world: int, base: str) -> None:
+    from shardsafe.dist import Comm, get_comm
+
+    out = Path(base)
+    comm = get_comm()
+    comm.dead_after = DEAD
+    if rank == 2:
+        real = Comm._wait_for_all
+
+        def freezing(self: Comm, store: Any, *args: Any) -> None:
+            real(self, _FreezeOnCount(store, out), *args)
+
+        Comm._wait_for_all = freezing  # type: ignore[method-assign]
+
+    def op() -> None:
+        comm.arrive("before the all-gather", TIMEOUT, DEAD)
+        comm.all_gather({"rank": rank})
+
+    _survive(rank, out, op)
+    if rank == 0:  # hosting the store: rank 1 reads the verdict through it before rank 0 leaves
+        deadline = time.monotonic() + BOUND
+        while not (out / "rank1.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(int((out / "pid2").read_text()), signal.SIGKILL)  # it would outlive the test
+
+
+@pytest.mark.timeout(240)
+def test_rank_frozen_inside_its_arrival_is_named_on_every_survivor(tmp_path: Path) -> None:
+    """Rank 2 posts its arrival and freezes before counting itself, so the count never reaches
+    the world size: the coordinator's heartbeat, seeing every arrival posted, ends the wait,
+    and the all-gather after it names rank 2 (it used to hold every rank for the timeout)."""
+    try:
+        _run_losing_rank_2(_frozen_inside_arrival, str(tmp_path))
+    finally:
+        _end_rank_2(tmp_path)
     for r in (0, 1):
         rec = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert rec["type"] == "DistributedError", rec

@@ -14,6 +14,8 @@ waiting rank within ``dead_after`` + 2 s, and one that is alive but slow is wait
 ``timeout``. :meth:`Comm.with_peers` does the same for a point-to-point exchange with a few
 peers (the local tier's copy rounds), which no store key ends, and every collective of a
 :class:`Comm` runs under it (:meth:`Comm._guarded`), so a rank lost inside one is named too.
+Their store calls run in a thread of their own (:meth:`~shardsafe.liveness.Heartbeat.call`):
+a frozen store never answers, and the waiting thread raises naming it instead.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .liveness import (
     DEAD_AFTER,
     HEARTBEATS,
     INTERVAL,
+    POLL,
     Heartbeat,
     Watch,
     dead_after_of,
@@ -72,9 +75,14 @@ class Comm:
             return
         store = _store()
         try:
-            beat = HEARTBEATS.ensure(store, tdist.get_rank())
-            base = f"shardsafe/arrive/{_group_tag(self)}/{self._next_sequence(store)}"
-            self._wait_for_all(store, beat, base, stage, timeout, dead_after)
+            beat = _heartbeat(store)
+
+            def wait() -> None:
+                base = f"shardsafe/arrive/{_group_tag(self)}/{self._next_sequence(store)}"
+                self._wait_for_all(store, beat, base, stage, timeout, dead_after)
+
+            # in a thread of its own: a frozen store never answers, and this one says so
+            beat.call(wait, self.rank, f"waiting for '{stage}'", dead_after_of(dead_after))
         except DistributedError:
             raise
         except Exception as e:  # the store itself is gone: its host process died
@@ -169,7 +177,7 @@ class Comm:
         if not self.distributed or not awaited:
             return fn()
         try:
-            beat = HEARTBEATS.ensure(_store(), tdist.get_rank())
+            beat = _heartbeat(_store())
         except Exception:  # the store is gone: gloo's own error is all there is to say
             return fn()
         ended = threading.Event()
@@ -196,18 +204,26 @@ class Comm:
             relay=verdict_key is not None,
         )
         handle = beat.watch(watch)
+        limit = dead_after_of(dead_after)
+        lost: DistributedError | None = None
         try:
             threading.Thread(target=run, name="shardsafe-exchange", daemon=True).start()
-            ended.wait()
-            if watch.verdict is None and "error" in box:  # gloo saw a connection close
+            while not ended.wait(POLL):  # the heartbeat's verdict, or the store stops answering
+                if (lost := beat.lost_error(self.rank, f"in {stage}", limit)) is not None:
+                    break
+            if lost is None and watch.verdict is None and "error" in box:  # a connection closed
                 beat.look_now()
-                grace = time.monotonic() + dead_after_of(dead_after) + 4 * INTERVAL
+                grace = time.monotonic() + limit + 4 * INTERVAL
                 while watch.verdict is None and time.monotonic() < grace:
+                    if (lost := beat.lost_error(self.rank, f"in {stage}", limit)) is not None:
+                        break  # no verdict can come through a lost store
                     time.sleep(INTERVAL / 4)
         finally:
             beat.unwatch(handle)
         if "result" in box:  # done: a peer lost now is named by the next wait
             return cast(T, box["result"])
+        if watch.verdict is None and lost is not None:
+            raise lost
         if watch.verdict is not None:
             raise DistributedError(
                 f"rank {self.rank}: {watch.verdict['message']}",
@@ -231,13 +247,22 @@ class Comm:
         request per rank, and the store's reads only while it lasts past a heartbeat."""
         try:
             store = _store()
-            base = f"shardsafe/collective/{_group_tag(self)}/{self._next_sequence(store)}"
+            beat = _heartbeat(store)
+            seq = beat.call(
+                lambda: self._next_sequence(store),
+                self.rank,
+                f"starting {what}",
+                dead_after_of(self.dead_after),
+            )
+        except DistributedError:  # the store stopped answering
+            raise
         except Exception as e:  # no store to watch through: gloo's own timeout bounds it
             try:
                 fn()
             except Exception as e2:
                 raise self._collective_failed(e2, root) from e
             return
+        base = f"shardsafe/collective/{_group_tag(self)}/{seq}"
         n = self.world_size
         watched = range(n) if self.is_coordinator else {0, (self.rank - 1) % n, (self.rank + 1) % n}
         self.with_peers(fn, watched, what, self.dead_after, verdict_key=f"{base}/dead")
@@ -327,6 +352,11 @@ def _store() -> Any:
         raise DistributedError(f"cannot reach the process group's store: {e}") from e
 
 
+def _heartbeat(store: Any) -> Heartbeat:
+    """This process's heartbeat in the default group's store (started if it is not yet)."""
+    return HEARTBEATS.ensure(store, tdist.get_rank(), tdist.get_world_size())
+
+
 def get_comm(process_group: Any = None) -> Comm:
     """The ranks of ``process_group`` (default group if None), or a single-process Comm."""
     if not (tdist.is_available() and tdist.is_initialized()):
@@ -337,7 +367,7 @@ def get_comm(process_group: Any = None) -> Comm:
         return Comm()
     # beating from the first operation on, so that a rank lost before its next one is named
     with contextlib.suppress(Exception):  # a store lost now is reported by the next wait
-        HEARTBEATS.ensure(_store(), tdist.get_rank())
+        _heartbeat(_store())
     return Comm(
         process_group, tdist.get_rank(process_group), tdist.get_world_size(process_group), True
     )

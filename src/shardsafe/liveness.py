@@ -9,6 +9,12 @@ its host name to ``shardsafe/alive/host<global rank>`` once and increments
 the process, not to a Saver, manager or load: a rank between two saves, or one that dropped its
 Saver and will make another later, is alive and beating.
 
+Every beat also reads, in one ``multi_get``, the counters of the ranks this process watches,
+whether or not it waits: the coordinator (global rank 0) every rank, the others rank 0 and
+their two ring neighbours, and every rank a wait of this process has looked at. Each rank's
+counter is kept with when this process first saw its present value, so a rank's silence is
+counted from when it stopped beating (within an interval), not from when a wait first looks.
+
 Nobody is declared dead for not beating; only a wait fails. A rank waiting in
 :meth:`~shardsafe.dist.Comm.arrive` hands the wait to its heartbeat thread, which on every beat
 reads the counters of the ranks that could keep it waiting forever: the group's coordinator
@@ -20,9 +26,15 @@ every waiting rank raises the same :class:`~shardsafe.errors.DistributedError`. 
 
 * a rank that died or froze (SIGKILL, SIGSTOP, a lost host) between saves, in planning, in a
   load or before one, is named on every waiting rank within ``dead_after + 2 * INTERVAL`` s of
-  the later of its last beat and the coordinator's arrival at the wait (a dead coordinator:
-  of the wait's start on each rank);
+  its last beat, or at the next beat after the coordinator (for a dead coordinator: each
+  rank) reaches the wait if that is later: a survivor busy with its own share (staging,
+  writing) when a peer dies names it as soon as it waits, if the peer has been silent for
+  ``dead_after`` by then (a rank this process never watched before, such as a copy round's
+  peer on another host, is counted from the wait's first look, as before);
 * a rank that is slow but beating is waited for until the wait's own ``timeout``;
+* a rank that froze or died inside its own arrival, after posting it but before counting
+  itself (or setting the key as the last one), would hold every rank: the coordinator's
+  heartbeat, seeing every arrival posted, sets the key itself, and the next wait names it;
 * an exchange of point-to-point messages (the local tier's copy rounds, at save and restore)
   runs under :meth:`~shardsafe.dist.Comm.with_peers`: the heartbeat thread looks at the
   exchange's peers and hands its verdict to a callback instead of a key, so a peer that died
@@ -33,43 +45,59 @@ every waiting rank raises the same :class:`~shardsafe.errors.DistributedError`. 
   rank, the others at the coordinator and their ring neighbours), so a rank frozen between an
   arrival and the collective after it is named on every rank within ``dead_after + 3`` s;
 * silence is measured from when this process first saw the rank's counter at its present
-  value, whichever wait looked: a rank named by one wait is named again by the next one at
-  its first look, so the verdict does not take ``dead_after`` once more for each wait it
-  passes through (a copy round, then the commit);
+  value, whichever beat or wait looked: a rank named by one wait is named again by the next
+  one at its first look, so the verdict does not take ``dead_after`` once more for each wait
+  it passes through (a copy round, then the commit);
+* the store itself: a request to a frozen store server (SIGSTOP of the process hosting it,
+  rank 0 with a ``tcp://`` rendezvous) never returns, whatever the client's timeout (that
+  covers waits only), so every blocking store call of a wait runs in a thread of its own
+  (:meth:`Heartbeat.call`) and the waiting thread raises, on every rank, a
+  :class:`~shardsafe.errors.DistributedError` naming the store's ``host:port`` and who hosts
+  it once a request of this heartbeat has been unanswered for ``dead_after`` s (within
+  ``dead_after + INTERVAL + POLL`` s of the freeze), or at once when the store's connection
+  failed (the process hosting it died or exited); the abandoned thread stays blocked. The
+  training's own store connection keeps its timeout;
 * a save's commit (:mod:`shardsafe.signals`) watches this heartbeat too; while its channel is
   open every rank beats every ``min(0.5, dead_after / 4)`` s (:meth:`Heartbeat.hasten`), and a
   verdict fills the key of each rank lost (``each``) rather than one wait's key;
 * a process that finished and exited normally is awaited by nobody, hence never named.
 
-Store load: one beat per process per :data:`INTERVAL` (1 s), whether or not anyone waits
-(two while a save is open).
-While a wait lasts, each waiting rank adds two requests per interval (a check of the wait's
-key, a read of the coordinator's beat) and the coordinator two per rank that has not arrived
-yet (a wait that every rank reaches within an interval costs nothing more); a long scan
-beats in between, so the coordinator is never silent itself. Measured with
+Store load: per process and :data:`INTERVAL` (1 s), one beat and one ``multi_get`` of the
+counters it watches, whether or not anyone waits (twice that while a save is open).
+While a wait lasts, each waiting rank adds one request per interval (a check of the wait's
+key) and the coordinator one per rank that has not arrived yet (its arrival key; a wait
+that every rank reaches within an interval costs nothing more); a long scan beats in
+between, so the coordinator is never silent itself. Measured with
 ``benchmarks/bench_liveness.py`` (a TCPStore server in its own process, client processes
-running this heartbeat and :meth:`~shardsafe.dist.Comm.arrive`'s wait; 2-core x86_64 VM,
-load average 11 to 17): 64 ranks idle 64 requests/s and 0.23 % of a core on the server, every
-rank waiting 191/s and 0.47 %; 128 ranks 128/s, 0.40 % and 375/s, 0.97 %. At 25 to 35 µs of
-server CPU a request, 4,096 ranks would make 4,096 requests/s idle (about 12 % of a core)
-and 12,300/s while all wait (about 35 %), a linear extrapolation: the 8,192 connections such
-a server holds (two per process) were not measured, and the coordinator's scan of 4,095
-absent ranks is 8,190 round trips from one thread (about 0.8 s at 100 µs each).
+running this heartbeat and :meth:`~shardsafe.dist.Comm.arrive`'s wait; 2-core x86_64 VM
+shared with other jobs, load average 6 to 10): 64 ranks idle 123 requests/s and 0.75 % of
+a core on the server, every rank waiting 192/s and 0.90 %; 128 ranks 256/s, 1.45 % and
+381/s, 1.55 %. Reading the counters every beat doubled the idle requests and tripled the
+server's idle CPU (the same run of the earlier protocol, one beat a second and reads only
+while waiting: 63/s, 0.25 % at 64 ranks); waiting costs the same. At 40 to 60 µs of server
+CPU a request (the coordinator's ``multi_get`` reads every rank's counter), 4,096 ranks would
+make 8,192 requests/s idle (about 40 % of a core) and 12,300/s while all wait (about 60 %), a
+linear extrapolation: the 8,192 connections such a server holds (two per process) were not
+measured, and the coordinator's scan of 4,095 absent ranks is 4,095 round trips from one
+thread (about 0.4 s at 100 µs each).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from .errors import describe_ranks
+from .errors import DistributedError, describe_ranks
+
+T = TypeVar("T")
 
 log = logging.getLogger("shardsafe")
 
@@ -79,6 +107,8 @@ DEAD_AFTER = 10.0
 """Seconds without a heartbeat after which an awaited rank counts as dead."""
 MIN_DEAD_AFTER = 3 * INTERVAL
 """A shorter ``dead_after`` is raised to this: fewer missed beats would name a busy rank."""
+POLL = 0.25
+"""Seconds between two looks of a waiting thread at whether the store still answers."""
 
 
 def beat_key(global_rank: int) -> str:
@@ -115,23 +145,42 @@ class Watch:
 
 
 class Heartbeat:
-    """This process's beat in one store, and the watcher of the waits registered with it."""
+    """This process's beat in one store, the watcher of the waits registered with it, and the
+    judge of whether the store itself still answers."""
 
-    def __init__(self, store: Any, global_rank: int) -> None:
+    def __init__(self, store: Any, global_rank: int, world_size: int = 1) -> None:
         self._store = weakref.ref(store)
         try:
             self.client = store.clone()
         except Exception:  # a store that cannot be cloned (tests' HashStore) serves both threads
             self.client = store
         self.global_rank = global_rank
+        self.address = store_address(store)
         self._watches: dict[int, Watch] = {}
         # global rank -> (its beat counter, when this process first saw that value): shared by
         # every wait, so a rank already silent when a wait starts (named by an earlier one a
         # moment ago) is not granted a fresh ``dead_after`` by each later wait
         self._observed: dict[int, tuple[int, float]] = {}
+        # the ranks whose counters every beat reads (one request), wait or no wait, so that a
+        # rank's silence is measured from when it stopped, not from a wait's first look: the
+        # coordinator (global rank 0) all, the others rank 0 and their ring neighbours, and
+        # every rank a wait of this process has looked at
+        if global_rank == 0:
+            self._standing = set(range(1, world_size))
+        else:
+            near = {0, (global_rank - 1) % world_size, (global_rank + 1) % world_size}
+            self._standing = near - {global_rank}
+        self._latest: dict[int, tuple[int, float]] = {}  # rank -> (counter, when read): this beat's
+        self._counted: set[int] = set()  # ranks whose counter key exists (a read cannot block)
+        self._multi = True  # the store answers ``multi_get`` (else one read per rank)
+        self._host0: str | None = socket.gethostname() if global_rank == 0 else None
         self._rates: dict[int, float] = {}  # faster beats asked for while a commit waits
         self._wake = threading.Event()
         self._lock = threading.Lock()
+        # when this process's request to the store in flight was sent (None: none in flight),
+        # and how the store failed for good: what tells a frozen or lost store from a slow rank
+        self._pending_since: float | None = None
+        self._store_failed: tuple[float, str] | None = None
         self.client.set(host_key(global_rank), socket.gethostname())
         self._last_beat = 0.0
         self._beat()
@@ -139,11 +188,24 @@ class Heartbeat:
         self._thread.start()
 
     def serves(self, store: Any) -> bool:
-        return self._store() is store and self._thread.is_alive()
+        """Still this store's heartbeat (one that lost its store stays, to say so at once)."""
+        alive = self._thread.is_alive() or self._store_failed is not None
+        return self._store() is store and alive
 
     def watch(self, w: Watch) -> int:
+        """Look at ``w``'s ranks from the next beat on (at once if one is silent already)."""
+        ranks = {w.global_rank(r) for r in w.ranks} - {self.global_rank}
+        now = time.monotonic()
         with self._lock:
             self._watches[id(w)] = w
+            self._standing |= ranks
+            silent = any(
+                now - self._observed[g][1] > w.dead_after
+                for g in ranks
+                if g in self._observed and self._observed[g][0]
+            )
+        if silent:
+            self._wake.set()
         return id(w)
 
     def unwatch(self, handle: int) -> None:
@@ -172,14 +234,86 @@ class Heartbeat:
         with self._lock:
             return min([INTERVAL, *self._rates.values()])
 
+    def store_lost(self, dead_after: float) -> str | None:
+        """Why the store counts as lost for a wait that allows ``dead_after`` s of silence (a
+        request of this heartbeat unanswered that long, or the store's connection failed), or
+        None. Not a verdict for good: a store that answers again is no longer lost."""
+        failed = self._store_failed
+        if failed is not None:
+            return (
+                f"the process group's store at {self.address} failed {time.monotonic() - failed[0]:.1f}"
+                f" s ago ({failed[1]}): {self._store_host()} died, exited or lost its host"
+            )
+        since = self._pending_since
+        if since is not None and time.monotonic() - since > dead_after:
+            time.sleep(POLL)  # a heartbeat thread that only waited for the GIL has its answer now
+            if self._pending_since != since:
+                return None
+            return (
+                f"the process group's store at {self.address} stopped answering "
+                f"{time.monotonic() - since:.1f} s ago: {self._store_host()} is frozen "
+                "(SIGSTOP, a debugger), overloaded or cut off"
+            )
+        return None
+
+    def _store_host(self) -> str:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return "the process hosting it (torchrun's agent)"
+        host0 = self._host0 or "its host"
+        return (
+            f"the process hosting it (rank 0, on {host0}, with a tcp:// or env:// rendezvous; "
+            "else the launcher that made it)"
+        )
+
+    def lost_error(self, rank: int, what: str, dead_after: float) -> DistributedError | None:
+        """The error a rank raises while ``what`` when the store counts as lost, or None."""
+        why = self.store_lost(dead_after)
+        if why is None:
+            return None
+        return DistributedError(
+            f"rank {rank}: {why}, while {what}. No rank can go on: restart the job on every "
+            "rank (a process group does not outlive its store), and end the process hosting "
+            "the store if it is still there"
+        )
+
+    def call(self, fn: Callable[[], T], rank: int, what: str, dead_after: float) -> T:
+        """``fn()``, a blocking request (or wait) to the store, run in a thread of its own so
+        that this one can raise :meth:`lost_error` when the store stops answering: a store
+        client's request to a frozen server never returns (its timeout covers only waits)."""
+        err = self.lost_error(rank, what, dead_after)
+        if err is not None:
+            raise err
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = fn()
+            except BaseException as e:
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="shardsafe-store", daemon=True).start()
+        while not done.wait(POLL):
+            err = self.lost_error(rank, what, dead_after)
+            if err is not None:  # the thread stays blocked until the store answers, or forever
+                raise err
+        if "error" in box:
+            raise box["error"]
+        return cast(T, box["result"])
+
     def host(self, global_rank: int) -> str:
         try:
-            return bytes(self.client.get(host_key(global_rank))).decode()
+            client = _Timed(self.client, self)
+            if not client.check([host_key(global_rank)]):  # never started: a get would wait
+                return "an unknown host"
+            return bytes(client.get(host_key(global_rank))).decode()
         except Exception:
             return "an unknown host"
 
     def _beat(self) -> None:
-        self.client.add(beat_key(self.global_rank), 1)
+        _Timed(self.client, self).add(beat_key(self.global_rank), 1)
         self._last_beat = time.monotonic()
 
     def _run(self) -> None:
@@ -190,17 +324,52 @@ class Heartbeat:
                 return
             try:
                 self._beat()
+                self._sample()
                 with self._lock:
                     watches = list(self._watches.values())
                 for w in watches:
                     self._check(w)
-            except Exception:  # the store is gone; a waiting rank's own call says so
+            except Exception as e:  # the store is gone: every wait raises, naming it
+                self._store_failed = (time.monotonic(), f"{type(e).__name__}: {e}"[:200])
+                log.debug("rank %d: the store failed: %s", self.global_rank, e)
                 return
+
+    def _sample(self) -> None:
+        """Read the counters of the standing ranks (one ``multi_get``) and note when each
+        changed: the silence clock of a rank starts when it stops, whatever this process was
+        doing then (writing its share, staging), not when a wait first looks at it."""
+        with self._lock:
+            ranks = sorted(self._standing)
+        if not ranks:
+            return
+        client = _Timed(self.client, self)
+        for g in ranks:
+            if g not in self._counted:  # a counter that does not exist yet would make a read wait
+                client.add(beat_key(g), 0)
+                self._counted.add(g)
+        values: list[int] = []
+        if self._multi:
+            try:
+                values = [
+                    int(bytes(v).decode()) for v in client.multi_get([beat_key(g) for g in ranks])
+                ]
+            except (NotImplementedError, AttributeError, RuntimeError):  # a store without it
+                self._multi = False  # (a lost store fails the reads below too, and says so)
+        if not self._multi:
+            values = [int(client.add(beat_key(g), 0)) for g in ranks]
+        now = time.monotonic()
+        for g, beats in zip(ranks, values, strict=True):
+            self._latest[g] = (beats, now)
+            seen = self._observed.get(g)
+            if beats and (seen is None or seen[0] != beats):
+                self._observed[g] = (beats, now)
+        if self._host0 is None and self._latest.get(0, (0, now))[0]:  # named if the store stops
+            self._host0 = self.host(0)
 
     def _check(self, w: Watch) -> None:
         """Write the verdict on the first awaited rank that stopped beating into ``w.done_key``
         (or hand it to ``w.notify``)."""
-        keys = w.keys if w.keys is not None else self.client
+        keys = _Timed(w.keys if w.keys is not None else self.client, self)
         if w.verdict is not None and not w.each:
             return
         if w.done_key is not None and keys.check([w.done_key]):
@@ -214,6 +383,11 @@ class Heartbeat:
             w.arrived.update(
                 r for r in w.ranks if r not in w.arrived and keys.check([w.arrived_key(r)])
             )
+            if w.done_key is not None and len(w.arrived) == len(w.ranks):
+                # every rank arrived, but the last one froze or died before it counted itself
+                # or set the key: the wait is over all the same (the next one names that rank)
+                keys.compare_set(w.done_key, "", "1")
+                return
         pending = [r for r in w.ranks if r not in w.arrived and r not in w.named]
         if pending and w.log_every and now - w.last_log >= w.log_every:
             w.last_log = now
@@ -227,7 +401,11 @@ class Heartbeat:
             if time.monotonic() - self._last_beat >= self.interval():  # a long scan: beat too
                 self._beat()
             g = w.global_rank(r)
-            beats = int(self.client.add(beat_key(g), 0))
+            if g in self._latest:  # this beat's sample (when it was read, not now: conservative)
+                beats, now = self._latest[g]
+            else:  # a rank this wait is the first to look at
+                beats, now = int(keys.add(beat_key(g), 0)), time.monotonic()
+                self._counted.add(g)
             seen = self._observed.get(g)
             if seen is None or seen[0] != beats:
                 self._observed[g] = (beats, now)
@@ -246,10 +424,42 @@ class Heartbeat:
             w.named.add(r)
             if w.done_key is not None:
                 keys.compare_set(w.done_key, "", json.dumps(verdict))
-            if w.notify is not None:
-                w.notify(verdict)
+            if w.notify is not None:  # it may write to the store: timed as a request
+                self._pending_since = time.monotonic()
+                try:
+                    w.notify(verdict)
+                finally:
+                    self._pending_since = None
             if not w.each:
                 return
+
+
+class _Timed:
+    """A store client whose request in flight shows in its heartbeat's ``_pending_since``: a
+    request that a frozen store server never answers is how a wait learns it is frozen."""
+
+    def __init__(self, client: Any, beat: Heartbeat) -> None:
+        self._client, self._beat = client, beat
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._client, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._beat._pending_since = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._beat._pending_since = None
+
+        return call
+
+
+def store_address(store: Any) -> str:
+    """``host:port`` of the TCP store behind ``store`` (through its prefix wrappers)."""
+    tcp = store
+    while tcp is not None and not (hasattr(tcp, "host") and hasattr(tcp, "port")):
+        tcp = getattr(tcp, "underlying_store", None)
+    return f"{tcp.host}:{tcp.port}" if tcp is not None else f"({type(store).__name__})"
 
 
 class Heartbeats:
@@ -259,10 +469,10 @@ class Heartbeats:
         self._lock = threading.Lock()
         self._current: Heartbeat | None = None
 
-    def ensure(self, store: Any, global_rank: int) -> Heartbeat:
+    def ensure(self, store: Any, global_rank: int, world_size: int = 1) -> Heartbeat:
         with self._lock:
             if self._current is None or not self._current.serves(store):
-                self._current = Heartbeat(store, global_rank)
+                self._current = Heartbeat(store, global_rank, world_size)
             return self._current
 
 

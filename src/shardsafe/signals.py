@@ -17,27 +17,38 @@ of those it still waits for:
   with its host, on every rank within ``dead_after + 2 * interval`` s of its last beat (one
   that never beat gets ``start_within`` seconds: it may still be importing);
 * a rank that is slow but heartbeating is waited for, and the wait is logged every
-  ``log_every`` seconds.
+  ``log_every`` seconds;
+* a store that stops answering (the process hosting it frozen) fails every rank's post, wait
+  or publish within ``dead_after`` + ``interval`` s, naming the store (each runs in a thread
+  of its own: :meth:`~shardsafe.liveness.Heartbeat.call`).
 
-So a save costs the store no beats of its own: the process's beats come twice as often while
-it lasts (two requests per rank a second instead of one; a channel with its own counters
-made three).
+The counters of the ranks a rank watches are read on every beat, not only while it waits, so
+a rank that died while the others were still writing their share is named as soon as the
+coordinator waits, if it has been silent ``dead_after`` s by then.
+
+So a save costs the store no beats of its own: the process's beats (and reads of the watched
+counters) come twice as often while it lasts (four requests per rank a second instead of two;
+a channel with its own counters made more).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as tdist
 
 from .dist import Comm
 from .errors import DistributedError
 from .liveness import DEAD_AFTER as DEAD_AFTER
-from .liveness import HEARTBEATS, Heartbeat, Watch
+from .liveness import HEARTBEATS, Heartbeat, Watch, dead_after_of
+
+T = TypeVar("T")
 
 HEARTBEAT_INTERVAL = 0.5
 """Seconds between two heartbeats of a rank while a save's channel is open (at most)."""
@@ -115,7 +126,9 @@ class StoreChannel:
         self.log_every = log_every
         # a rank that never heartbeated is late rather than dead: more slack
         self.start_within = start_within if start_within is not None else max(60.0, 6 * dead_after)
-        self.heartbeat: Heartbeat = HEARTBEATS.ensure(default_store(), tdist.get_rank())
+        self.heartbeat: Heartbeat = HEARTBEATS.ensure(
+            default_store(), tdist.get_rank(), tdist.get_world_size()
+        )
         self._haste: int | None = self.heartbeat.hasten(self.interval)
 
     def _key(self, name: str) -> str:
@@ -128,8 +141,14 @@ class StoreChannel:
             self._haste = None
 
     # -- posting and waiting ----------------------------------------------------------------
+    def _call(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` on the store, raising as soon as the store counts as lost (frozen or gone):
+        see :meth:`~shardsafe.liveness.Heartbeat.call`."""
+        return self.heartbeat.call(fn, self.comm.rank, what, dead_after_of(self.dead_after))
+
     def post(self, record: dict[str, Any]) -> None:
-        self.store.set(self._key(f"rank{self.comm.rank}"), json.dumps(record))
+        key, value = self._key(f"rank{self.comm.rank}"), json.dumps(record)
+        self._call(lambda: self.store.set(key, value), "posting its write record")
 
     def _wait(self, ranks: set[int], what: str, key_of: Any, waiting_for: str) -> dict[int, Any]:
         """Block until ``key_of(r)`` exists for every rank in ``ranks``; the heartbeat thread
@@ -157,14 +176,20 @@ class StoreChannel:
                 log_every=self.log_every,
             )
         )
-        try:
-            keys = [key_of(r) for r in sorted(ranks)]
+        keys = [key_of(r) for r in sorted(ranks)]
+
+        def wait() -> dict[int, Any]:
             if self.blocking:
                 self.store.wait(keys, timedelta(days=365))
             else:
                 while not all(self.store.check([k]) for k in keys):
                     time.sleep(self.interval / 5)
             return {r: json.loads(self.store.get(key_of(r))) for r in sorted(ranks)}
+
+        try:
+            return self._call(wait, f"waiting for {waiting_for}")
+        except DistributedError:  # the store stopped answering
+            raise
         except Exception as e:
             raise _store_lost(self.comm.rank, waiting_for, e) from None
         finally:
@@ -194,7 +219,8 @@ class StoreChannel:
         return records
 
     def publish(self, status: dict[str, Any]) -> None:
-        self.store.set(self._key("status"), json.dumps(status))
+        key, value = self._key("status"), json.dumps(status)
+        self._call(lambda: self.store.set(key, value), "publishing the commit outcome")
 
     def await_status(self) -> dict[str, Any]:
         """The coordinator's outcome; raises naming it if it stops heartbeating first."""
@@ -210,13 +236,16 @@ class StoreChannel:
     def cleanup(self) -> None:
         """Stop heartbeating; the last rank to read the outcome deletes the save's keys."""
         self.stop()
-        try:
+
+        def clean() -> None:
             if int(self.store.add(self._key("acks"), 1)) == self.comm.world_size:
                 names = [f"rank{r}" for r in range(self.comm.world_size)]
                 for name in [*names, "status", "acks"]:
                     self.store.delete_key(self._key(name))
-        except Exception:
-            pass  # stores without delete keep a few bytes; harmless
+
+        # stores without delete keep a few bytes; a lost store fails the next wait
+        with contextlib.suppress(Exception):
+            self._call(clean, "cleaning up the save's keys")
 
 
 def _store_lost(rank: int, what: str, e: Exception) -> DistributedError:
