@@ -353,7 +353,7 @@ class CheckpointManager:
 
     def _after_commit(self, name: str) -> None:
         """Coordinator: point ``latest`` at the new checkpoint, apply retention, clean leftovers."""
-        if not get_comm(self.process_group).is_coordinator:
+        if not self._saver.comm().is_coordinator:
             return
 
         def active() -> set[str]:
@@ -420,7 +420,7 @@ class CheckpointManager:
             return resavable(state, loaded)
 
         # a rank lost since the last save is named here, not a hang in the inventory's broadcasts
-        get_comm(self.process_group).arrive("restore", self.timeout, self._saver.dead_after)
+        self._saver.comm().arrive("restore", self.timeout, self._saver.dead_after)
         if self._local is not None:
             found, result = self._restore_local(state, step, load_into, fallback)
             if found:
@@ -452,7 +452,7 @@ class CheckpointManager:
         if step is not None:
             steps = [n for n in steps if n == step_name(step)]
         else:
-            comm = get_comm(self.process_group)
+            comm = self._saver.comm()
             order = self._dir.restore_order() if comm.is_coordinator else None
             order = comm.broadcast(order)
             damaged = self._dir.damaged() if comm.is_coordinator else {}
@@ -500,7 +500,7 @@ class CheckpointManager:
             self.restored_tier = "persistent"
             return result
         candidates = self._candidates()
-        comm = get_comm(self.process_group)
+        comm = self._saver.comm()
         marks = comm.broadcast(self._dir.damaged() if comm.is_coordinator else None) or {}
         failures: list[str] = []
         skipped: list[str] = []
@@ -573,7 +573,7 @@ class CheckpointManager:
         """``load_fn`` on checkpoint ``name``; read again when it failed because the checkpoint
         was replaced while it was read (an overwrite of the same step): that is no damage.
         Raises :class:`_Vanished` when it was deleted meanwhile."""
-        comm = get_comm(self.process_group)
+        comm = self._saver.comm()
         for attempt in range(_REREADS + 1):
             before = comm.broadcast(self._dir.fingerprint(name) if comm.is_coordinator else None)
             try:
@@ -596,7 +596,7 @@ class CheckpointManager:
     def _candidates(self) -> list[str]:
         """The coordinator's restore order, the same on every rank."""
         self._settle()
-        comm = get_comm(self.process_group)
+        comm = self._saver.comm()
         order = self._dir.restore_order() if comm.is_coordinator else None
         order = comm.broadcast(order)
         if not order:
@@ -606,7 +606,7 @@ class CheckpointManager:
     def _agree_damaged(self, name: str) -> None:
         """Every rank raised the same error (loads gather them), so every rank falls back;
         check it anyway, so that a disagreement is an error rather than a hang."""
-        comm = get_comm(self.process_group)
+        comm = self._saver.comm()
         if not comm.distributed:
             return
         verdicts = comm.all_gather(name)
@@ -627,7 +627,7 @@ class CheckpointManager:
         flight, nor anything a valid lease protects, nor a complete checkpoint: one found beside
         its empty name is renamed back); returns the removed names. Other ranks: []."""
         self._writable("clean up")
-        if not get_comm(self.process_group).is_coordinator:
+        if not self._saver.comm().is_coordinator:
             return []
         with self._maintenance:
             with self._lock:
