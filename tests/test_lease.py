@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardsafe.errors import CheckpointExistsError
-from shardsafe.lease import Lease, LeaseInfo, lease_state, read_lease
+from shardsafe.lease import Lease, LeaseInfo, lease_state, process_start, read_lease
 from shardsafe.storage import storage_for
 
 REL = ".ck.shardsafe-lock"
@@ -27,9 +27,13 @@ def dead_pid() -> int:
     return p.pid
 
 
-def write(tmp_path: Path, host: str, pid: int, age: float, ttl: float = 60.0) -> None:
+def write(
+    tmp_path: Path, host: str, pid: int, age: float, ttl: float = 60.0, started: str | None = None
+) -> None:
     ns = os.readlink("/proc/self/ns/pid") if host == socket.gethostname() else "elsewhere"
-    info = LeaseInfo("o" * 16, host, pid, ns, time.time() - age, ttl)
+    if started is None:
+        started = process_start(pid) if host == socket.gethostname() else ""
+    info = LeaseInfo("o" * 16, host, pid, ns, time.time() - age, ttl, started)
     (tmp_path / REL).write_bytes(info.to_bytes())
 
 
@@ -78,6 +82,24 @@ def test_expiry(tmp_path: Path, where: str, age: float, state: str) -> None:
     else:  # refused at once when not waiting for another host's silent lease to expire
         with pytest.raises(CheckpointExistsError):
             Lease.acquire(storage, REL, "n" * 16, wait_silent=False)
+
+
+def test_a_reused_process_id_does_not_keep_a_dead_saves_lease(tmp_path: Path) -> None:
+    """A host's PID namespace restarted (or ids wrapped): the lease's pid now names a live
+    process that is not its writer. It started at another time, so the lease has expired."""
+    mine = process_start(os.getpid())
+    assert mine, "this test needs /proc"
+    boot, ticks = mine.rsplit("/", 1)
+    write(tmp_path, socket.gethostname(), os.getpid(), 0.0, started=f"{boot}/{int(ticks) - 1}")
+    storage = storage_for(str(tmp_path))
+    assert lease_state(storage, REL) == "expired"
+    Lease.acquire(storage, REL, "n" * 16, wait_silent=False).release()
+    # the writer itself, still running: held
+    write(tmp_path, socket.gethostname(), os.getpid(), 0.0)
+    assert lease_state(storage, REL) == "held"
+    # written by an earlier version (no start time): the pid alone decides, as before
+    write(tmp_path, socket.gethostname(), os.getpid(), 0.0, started="")
+    assert lease_state(storage, REL) == "held"
 
 
 def test_another_hosts_silent_lease_is_broken_once_its_ttl_has_passed(

@@ -10,6 +10,11 @@ save that meets one watches it for up to its ttl, and is refused when it is rene
 save) or breaks it once it expired unrenewed (a save that died with its host), so a restart
 after losing the coordinator's host does not fail its first save. A save checks that it
 still owns its lease before it commits.
+
+A process id alone does not name a process: ids are reused, and so are PID namespaces' ids
+(a namespace made after one that ended may get its number). A lease also records when its
+process started (the boot's id and the start time in ``/proc/<pid>/stat``), so a live process
+that merely has the same id (a restarted host's new rank) does not keep a dead save's lease.
 """
 
 from __future__ import annotations
@@ -53,6 +58,20 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> str:
+    """``<boot id>/<start time in clock ticks>`` of process ``pid``, or "" where this host
+    cannot tell (no ``/proc``): with the pid, it names one process of one boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        # the command name (field 2) may hold spaces and parentheses: count after its last ')'
+        return f"{boot}/{stat[stat.rindex(')') + 2 :].split()[19]}"
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
 @dataclass(frozen=True)
 class LeaseInfo:
     """The content of a lease file."""
@@ -63,6 +82,7 @@ class LeaseInfo:
     pid_ns: str
     renewed: float
     ttl: float
+    started: str = ""  # :func:`process_start` of ``pid`` ("": written by an earlier version)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__, sort_keys=True).encode()
@@ -79,6 +99,7 @@ class LeaseInfo:
                 str(obj["pid_ns"]),
                 float(obj["renewed"]),
                 float(obj["ttl"]),
+                str(obj.get("started", "")),
             )
         except (ValueError, KeyError, TypeError):
             pass
@@ -89,11 +110,19 @@ class LeaseInfo:
             return None
 
     def expired(self, now: float | None = None) -> bool:
-        """Past its ttl since the last renewal, or its process is gone on this very host."""
+        """Past its ttl since the last renewal, or its process is gone on this very host (no
+        process has its id, or the one that has it started at another time)."""
         now = time.time() if now is None else now
         if now - self.renewed > self.ttl:
             return True
-        return self.on_this_host() and not pid_alive(self.pid)
+        if not self.on_this_host():
+            return False
+        if not pid_alive(self.pid):
+            return True
+        if not self.started:
+            return False
+        now_started = process_start(self.pid)
+        return bool(now_started) and now_started != self.started
 
     def on_this_host(self) -> bool:
         """Its process is one this host can look up (same host name and PID namespace)."""
@@ -178,8 +207,15 @@ class Lease:
         self.lost: str | None = None  # why renewal failed, if it did
 
     def _info(self) -> LeaseInfo:
+        pid = os.getpid()
         return LeaseInfo(
-            self.owner, socket.gethostname(), os.getpid(), _pid_namespace(), time.time(), self.ttl
+            self.owner,
+            socket.gethostname(),
+            pid,
+            _pid_namespace(),
+            time.time(),
+            self.ttl,
+            process_start(pid),
         )
 
     @classmethod
