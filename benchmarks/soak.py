@@ -95,6 +95,9 @@ STEPS = 5
 PERSIST_EVERY = 2
 DEAD_AFTER = 3.0  # the least liveness.py takes (MIN_DEAD_AFTER)
 STATED_BOUND = 2.0  # liveness.py: a wait names a rank silent for dead_after within 2 s more
+# liveness.py: a frozen store (rank 0 hosting it through tcp://, SIGSTOPped) is named once a
+# request has gone unanswered for max(dead_after, STORE_DEAD_AFTER), within INTERVAL + 2 POLL
+FROZEN_STORE_BOUND = 10.0 + 1.0 + 0.5
 PHASE_TIMEOUT = 150.0
 STAGES = ("staging", "writing", "copying", "committing", "draining", "restoring")
 PROCESS_FAULTS = ("kill-rank", "kill-host", "stop-rank")
@@ -972,13 +975,23 @@ def _gone_pid() -> int:
 
 
 def _survivor_checks(
-    phase: Phase, fired: dict[str, Any] | None, victims: set[int], slack: float, what: str
+    phase: Phase,
+    fired: dict[str, Any] | None,
+    victims: set[int],
+    slack: float,
+    what: str,
+    frozen_store: bool = False,
 ) -> list[float]:
-    """Every rank the fault did not strike raised an error, within the stated bound."""
+    """Every rank the fault did not strike raised an error, within the stated bound (that of
+    a frozen store when the rank frozen hosts it)."""
     if fired is None:
-        raise CycleFailure(f"{what}: the fault never struck")
+        raise CycleFailure(
+            f"{what}: the fault never struck (exit codes {phase.exit_codes}, results "
+            f"{_brief(phase.results)})"
+        )
     waits = []
-    bound = DEAD_AFTER + STATED_BOUND + slack
+    stated = FROZEN_STORE_BOUND if frozen_store else DEAD_AFTER + STATED_BOUND
+    bound = stated + slack
     for r, code in phase.exit_codes.items():
         if r in victims:
             continue
@@ -994,9 +1007,14 @@ def _survivor_checks(
         if wait > bound:
             raise CycleFailure(
                 f"{what}: rank {r} learnt of the fault after {wait:.1f} s, more than "
-                f"dead_after {DEAD_AFTER} + {STATED_BOUND} + slack {slack} s: {res['error'][:300]}"
+                f"{stated} + slack {slack} s: {res['error'][:300]}"
             )
     return waits
+
+
+def _freezes_store(f: Fault) -> bool:
+    """The fault stops the process that hosts the store (rank 0, ``tcp://`` rendezvous)."""
+    return f.kind == "stop-rank" and f.store == "rank0" and f.victim == 0
 
 
 def _victims(f: Fault, hosts: list[str]) -> set[int]:
@@ -1069,7 +1087,9 @@ def run_cycle(
                 # every rank must fail: the one out of space and, through the commit, the others
                 res.detect_s = _survivor_checks(p1, fired, set(), slack, "full disk")
             else:
-                res.detect_s = _survivor_checks(p1, fired, victims, slack, "training")
+                res.detect_s = _survivor_checks(
+                    p1, fired, victims, slack, "training", _freezes_store(f)
+                )
             assert fired is not None
             struck = int(fired["step"])
             _check_nothing_lost(tmp, struck - 1, struck)
@@ -1099,7 +1119,7 @@ def run_cycle(
             if fired is None:
                 raise CycleFailure("the fault never struck the restore")
             res.detect_s = _survivor_checks(
-                p2, fired, _victims(f, f.first_layout), slack, "restoring"
+                p2, fired, _victims(f, f.first_layout), slack, "restoring", _freezes_store(f)
             )
             _check_nothing_lost(tmp, STEPS, None)
             del before
@@ -1262,7 +1282,8 @@ def summary(results: list[CycleResult], slack: float, namespaces_every: int = 0)
     if det:
         lines.append(
             f"survivors' detection (fault to error; bound dead_after {DEAD_AFTER} + "
-            f"{STATED_BOUND} + slack {slack} s): p50 {percentile(det, 50):.2f} s, "
+            f"{STATED_BOUND} + slack {slack} s, a frozen store's {FROZEN_STORE_BOUND} + "
+            f"slack): p50 {percentile(det, 50):.2f} s, "
             f"p95 {percentile(det, 95):.2f} s, max {max(det):.2f} s"
         )
     by: dict[str, list[int]] = {}

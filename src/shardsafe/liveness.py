@@ -14,6 +14,10 @@ whether or not it waits: the coordinator (global rank 0) every rank, the others 
 their two ring neighbours, and every rank a wait of this process has looked at. Each rank's
 counter is kept with when this process first saw its present value, so a rank's silence is
 counted from when it stopped beating (within an interval), not from when a wait first looks.
+Only time this process could look counts: when its own beat took longer than an interval, or
+its loop ran late (a store that held every request for seconds, as a TCP store may while ranks
+open new connections to it; a thread that did not get the interpreter), every clock starts
+again, since the others' beats were held up just the same.
 
 Nobody is declared dead for not beating; only a wait fails. A rank waiting in
 :meth:`~shardsafe.dist.Comm.arrive` hands the wait to its heartbeat thread, which on every beat
@@ -53,8 +57,9 @@ every waiting rank raises the same :class:`~shardsafe.errors.DistributedError`. 
   covers waits only), so every blocking store call of a wait runs in a thread of its own
   (:meth:`Heartbeat.call`) and the waiting thread raises, on every rank, a
   :class:`~shardsafe.errors.DistributedError` naming the store's ``host:port`` and who hosts
-  it once a request of this heartbeat has been unanswered for ``dead_after`` s (within
-  ``dead_after + INTERVAL + POLL`` s of the freeze), or at once when the store's connection
+  it once a request of this heartbeat has been unanswered for ``max(dead_after,``
+  :data:`STORE_DEAD_AFTER` ``)`` s (within that + ``INTERVAL + 2 * POLL`` s of the freeze:
+  a live store may hold requests for seconds), or at once when the store's connection
   failed (the process hosting it died or exited); the abandoned thread stays blocked. The
   training's own store connection keeps its timeout;
 * a save's commit (:mod:`shardsafe.signals`) watches this heartbeat too; while its channel is
@@ -109,6 +114,11 @@ MIN_DEAD_AFTER = 3 * INTERVAL
 """A shorter ``dead_after`` is raised to this: fewer missed beats would name a busy rank."""
 POLL = 0.25
 """Seconds between two looks of a waiting thread at whether the store still answers."""
+STORE_DEAD_AFTER = 10.0
+"""A store request unanswered this long (or ``dead_after``, if longer) counts as a frozen
+store. More than a rank's ``dead_after`` floor: a store that is alive may hold every request
+for seconds (measured here: 4 to 5 s, every rank at once, while ranks open new connections to
+it), and naming it frozen ends the job on every rank."""
 
 
 def beat_key(global_rank: int) -> str:
@@ -180,7 +190,12 @@ class Heartbeat:
         # when this process's request to the store in flight was sent (None: none in flight),
         # and how the store failed for good: what tells a frozen or lost store from a slow rank
         self._pending_since: float | None = None
+        self._pending_what = ""
         self._store_failed: tuple[float, str] | None = None
+        # when this process last came out of a stall of its own looks (a beat that took more
+        # than an interval, or a loop that ran late): silence before it is not counted
+        self._stalled_until = 0.0
+        self._last_sample = time.monotonic()
         self.client.set(host_key(global_rank), socket.gethostname())
         self._last_beat = 0.0
         self._beat()
@@ -236,8 +251,9 @@ class Heartbeat:
 
     def store_lost(self, dead_after: float) -> str | None:
         """Why the store counts as lost for a wait that allows ``dead_after`` s of silence (a
-        request of this heartbeat unanswered that long, or the store's connection failed), or
-        None. Not a verdict for good: a store that answers again is no longer lost."""
+        request of this heartbeat unanswered that long, at least :data:`STORE_DEAD_AFTER`, or
+        the store's connection failed), or None. Not a verdict for good: a store that answers
+        again is no longer lost."""
         failed = self._store_failed
         if failed is not None:
             return (
@@ -245,13 +261,13 @@ class Heartbeat:
                 f" s ago ({failed[1]}): {self._store_host()} died, exited or lost its host"
             )
         since = self._pending_since
-        if since is not None and time.monotonic() - since > dead_after:
+        if since is not None and time.monotonic() - since > max(dead_after, STORE_DEAD_AFTER):
             time.sleep(POLL)  # a heartbeat thread that only waited for the GIL has its answer now
             if self._pending_since != since:
                 return None
             return (
                 f"the process group's store at {self.address} stopped answering "
-                f"{time.monotonic() - since:.1f} s ago: {self._store_host()} is frozen "
+                f"{time.monotonic() - since:.1f} s ago ({self._pending_what}): {self._store_host()} is frozen "
                 "(SIGSTOP, a debugger), overloaded or cut off"
             )
         return None
@@ -313,8 +329,11 @@ class Heartbeat:
             return "an unknown host"
 
     def _beat(self) -> None:
+        t0 = time.monotonic()
         _Timed(self.client, self).add(beat_key(self.global_rank), 1)
         self._last_beat = time.monotonic()
+        if self._last_beat - t0 > INTERVAL:  # the store, or this process, stalled meanwhile
+            self._stalled_until = self._last_beat
 
     def _run(self) -> None:
         while True:
@@ -358,10 +377,17 @@ class Heartbeat:
         if not self._multi:
             values = [int(client.add(beat_key(g), 0)) for g in ranks]
         now = time.monotonic()
+        # this process could not look for a while (its own beat or loop stalled: a store that
+        # held every request, a thread that did not get the interpreter): what it missed is
+        # not silence, and every clock starts again now
+        if now - self._last_sample > 2 * INTERVAL + self.interval():
+            self._stalled_until = now
+        self._last_sample = now
+        stalled = self._stalled_until >= now - self.interval()
         for g, beats in zip(ranks, values, strict=True):
             self._latest[g] = (beats, now)
             seen = self._observed.get(g)
-            if beats and (seen is None or seen[0] != beats):
+            if beats and (seen is None or seen[0] != beats or stalled):
                 self._observed[g] = (beats, now)
         if self._host0 is None and self._latest.get(0, (0, now))[0]:  # named if the store stops
             self._host0 = self.host(0)
@@ -403,8 +429,9 @@ class Heartbeat:
             g = w.global_rank(r)
             if g in self._latest:  # this beat's sample (when it was read, not now: conservative)
                 beats, now = self._latest[g]
-            else:  # a rank this wait is the first to look at
-                beats, now = int(keys.add(beat_key(g), 0)), time.monotonic()
+            else:  # a rank this wait is the first to look at (its counter: in the beat's store)
+                beats = int(_Timed(self.client, self).add(beat_key(g), 0))
+                now = time.monotonic()
                 self._counted.add(g)
             seen = self._observed.get(g)
             if seen is None or seen[0] != beats:
@@ -446,6 +473,7 @@ class _Timed:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._beat._pending_since = time.monotonic()
+            self._beat._pending_what = f"{name}{args!r}"[:120]
             try:
                 return fn(*args, **kwargs)
             finally:

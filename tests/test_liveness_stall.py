@@ -1,0 +1,120 @@
+"""A store that holds every request for a while (a TCP store does, for 4-5 s, while ranks open
+new connections to it) is not a rank's death: the watching process could not look either, so
+its clocks start again; a rank that really stopped is still named afterwards."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from shardsafe.liveness import Heartbeat, Watch, beat_key
+
+DEAD = 3.0
+
+
+class HeldStore:
+    """A dict-backed store whose requests wait while the monotonic time is within ``hold``
+    (start, end), widened by ``lead`` before and ``lag`` after for this view: a peer's view
+    is held from before the watcher's last look until after its first one, as when a
+    coordinator sampled the others' counters before their own held beats landed."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.hold: list[float] = [0.0, 0.0]
+        self.lead = self.lag = 0.0
+        self._lock = threading.Lock()
+
+    def view(self, lead: float, lag: float) -> HeldStore:
+        other = HeldStore()
+        other.data, other.hold, other._lock = self.data, self.hold, self._lock
+        other.lead, other.lag = lead, lag
+        return other
+
+    def clone(self) -> HeldStore:
+        return self.view(0.0, 0.0)
+
+    def _held(self) -> None:
+        while self.hold[0] - self.lead <= time.monotonic() < self.hold[1] + self.lag:
+            time.sleep(0.01)
+
+    def add(self, key: str, n: int) -> int:
+        self._held()
+        with self._lock:
+            value = int(self.data.get(key, b"0")) + n
+            self.data[key] = str(value).encode()
+            return value
+
+    def set(self, key: str, value: Any) -> None:
+        self._held()
+        with self._lock:
+            self.data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key: str) -> bytes:
+        self._held()
+        with self._lock:
+            return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        self._held()
+        with self._lock:
+            return all(k in self.data for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._held()
+        with self._lock:
+            return [self.data[k] for k in keys]
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self._held()
+        with self._lock:
+            if self.data.get(key, b"") == expected.encode():
+                self.data[key] = desired.encode()
+            return self.data[key]
+
+
+def test_a_store_that_held_every_request_is_no_ranks_death() -> None:
+    store = HeldStore()
+    # rank 1's beats are held from 1.5 s before the watcher's requests (so from before its
+    # last look) until half a second after them (so after its first look)
+    peer = store.view(lead=1.5, lag=0.5)
+    stop = threading.Event()
+
+    def rank1_beats() -> None:
+        while not stop.is_set():
+            peer.add(beat_key(1), 1)
+            time.sleep(0.3)
+
+    beater = threading.Thread(target=rank1_beats, daemon=True)
+    beater.start()
+    beat = Heartbeat(store, 0, world_size=2)
+    verdicts: list[dict[str, Any]] = []
+    beat.watch(
+        Watch(
+            None,
+            lambda r: f"arrived{r}",
+            [1],
+            lambda r: r,
+            False,
+            "test",
+            DEAD,
+            60.0,
+            notify=verdicts.append,
+        )
+    )
+    try:
+        time.sleep(1.0)
+        start = time.monotonic() + 1.5
+        store.hold[:] = [start, start + DEAD + 1.5]  # every request held longer than dead_after
+        time.sleep(1.5 + DEAD + 1.5 + 3.0)
+        assert verdicts == [], verdicts  # rank 1 beat all along: the store held its beats
+        stop.set()  # now rank 1 stops for real
+        beater.join()
+        deadline = time.monotonic() + DEAD + 4.0
+        while not verdicts and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert verdicts and verdicts[0]["rank"] == 1, verdicts
+        assert "stopped heartbeating" in verdicts[0]["message"]
+    finally:
+        stop.set()
+        del store  # the heartbeat thread ends with its store
