@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +294,36 @@ def _drained(rank: int, world: int, tmp: str) -> Any:
         mgr.save(step, state)
     mgr.close()
     return None
+
+
+def _drained_slow_leader(rank: int, world: int, tmp: str) -> Any:
+    """Host b's leader (rank 1) renames each local step into place a moment after the others
+    learnt that it committed: rank 2, on b too, must not read its files before."""
+    import shardsafe.local_tier
+
+    if rank == 1:
+        original = shardsafe.local_tier.PlaceTarget.publish
+
+        def slow(self: Any, *a: Any, **k: Any) -> Any:
+            time.sleep(1.0)
+            return original(self, *a, **k)
+
+        shardsafe.local_tier.PlaceTarget.publish = slow  # type: ignore[method-assign]
+    host = "abb"[rank]
+    mgr = manager(tmp, host, drain=True)
+    mgr.persistent_every = 2
+    w = torch.zeros(ROWS // world, COLS, dtype=torch.float64)
+    state = state_of(rank, world, w, torch.zeros_like(w), 0)
+    for step in range(1, 3):
+        state["step"] = step
+        mgr.save(step, state)
+    mgr.close()
+    return None
+
+
+def test_a_drain_waits_for_its_place_to_publish_the_step(tmp_path: Path) -> None:
+    run_ranks(_drained_slow_leader, 3, str(tmp_path), timeout=240, start_method="forkserver")
+    assert "step_000000002" in os.listdir(tmp_path / "persistent")
 
 
 def test_drain_copies_local_steps_to_the_persistent_tier(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from .liveness import (
     Heartbeat,
     Watch,
     dead_after_of,
+    in_thread,
     start_within_of,
 )
 
@@ -180,17 +181,7 @@ class Comm:
             beat = _heartbeat(_store())
         except Exception:  # the store is gone: gloo's own error is all there is to say
             return fn()
-        ended = threading.Event()
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["result"] = fn()
-            except BaseException as e:
-                box["error"] = e
-            finally:
-                ended.set()
-
+        ended, box = in_thread(fn, "shardsafe-exchange")  # gloo's waits cannot be interrupted
         watch = Watch(
             verdict_key,
             lambda r: "",
@@ -207,7 +198,6 @@ class Comm:
         limit = dead_after_of(dead_after)
         lost: DistributedError | None = None
         try:
-            threading.Thread(target=run, name="shardsafe-exchange", daemon=True).start()
             while not ended.wait(POLL):  # the heartbeat's verdict, or the store stops answering
                 if (lost := beat.lost_error(self.rank, f"in {stage}", limit)) is not None:
                     break

@@ -299,18 +299,7 @@ class Heartbeat:
         err = self.lost_error(rank, what, dead_after)
         if err is not None:
             raise err
-        done = threading.Event()
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["result"] = fn()
-            except BaseException as e:
-                box["error"] = e
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name="shardsafe-store", daemon=True).start()
+        done, box = in_thread(fn, "shardsafe-store")
         while not done.wait(POLL):
             err = self.lost_error(rank, what, dead_after)
             if err is not None:  # the thread stays blocked until the store answers, or forever
@@ -459,6 +448,25 @@ class Heartbeat:
                     self._pending_since = None
             if not w.each:
                 return
+
+
+def in_thread(fn: Callable[[], Any], name: str) -> tuple[threading.Event, dict[str, Any]]:
+    """Start ``fn()`` in a daemon thread: (set when it ended, ``{"result"|"error": ...}``). For
+    a call this thread must be able to give up on (a frozen store, a gloo wait that cannot be
+    interrupted): the abandoned thread stays blocked."""
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done, box
 
 
 class _Timed:

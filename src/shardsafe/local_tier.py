@@ -432,12 +432,17 @@ class LocalTier:
 
         lease: Lease | None = None
 
-        def take_lease(_: list[dict[str, Any]]) -> dict[str, Any]:
+        def take_lease(records: list[dict[str, Any]]) -> dict[str, Any]:
             nonlocal lease
+            errors = [r.get("error") for r in records]
+            if any(errors):  # a rank lost since the local commit
+                return {"errors": errors}
             lease, err = outcome(lambda: begin(ploc, token, True, drain.lease_ttl))
             return {"errors": [err] * comm.world_size} if err else {}
 
-        status = self.saver.round(token + "b", None, take_lease)
+        # every rank posts once its local save returned, a place's leader after publishing the
+        # step there: no rank reads its files from the step before its place has renamed it in
+        status = self.saver.round(token + "b", {"error": None}, take_lease)
         raise_for(status.get("errors") or [], "drain to the persistent tier")
         source = self.dir.storage
 

@@ -12,7 +12,8 @@ instead of every second (:meth:`~shardsafe.liveness.Heartbeat.hasten`), on every
 save. A waiting rank blocks in the store's ``wait``; the heartbeat thread looks at the beats
 of those it still waits for:
 
-* a rank whose counter has not moved for ``dead_after`` seconds (its process is gone, or
+* a rank whose counter has not moved for ``dead_after`` seconds (at least liveness's floor,
+  3 s: a rank outside any channel beats once a second) (its process is gone, or
   frozen) has its awaited key filled with ``{"dead": message}`` and fails the save, named
   with its host, on every rank within ``dead_after + 2 * interval`` s of its last beat (one
   that never beat gets ``start_within`` seconds: it may still be importing);
@@ -121,8 +122,10 @@ class StoreChannel:
         self.prefix = f"shardsafe/{token}"
         clients = clients if clients is not None else connect()
         self.store, self.beat_store, self.blocking = clients.wait, clients.beat, clients.blocking
-        self.dead_after = dead_after
-        self.interval = min(interval, dead_after / 4)
+        # no less than liveness's floor: a rank whose own channel closed (a leader publishing,
+        # a rank already in the next step) beats once a second, not at this channel's pace
+        self.dead_after = dead_after_of(dead_after)
+        self.interval = min(interval, self.dead_after / 4)
         self.log_every = log_every
         # a rank that never heartbeated is late rather than dead: more slack
         self.start_within = start_within if start_within is not None else max(60.0, 6 * dead_after)
