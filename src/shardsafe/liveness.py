@@ -14,10 +14,11 @@ whether or not it waits: the coordinator (global rank 0) every rank, the others 
 their two ring neighbours, and every rank a wait of this process has looked at. Each rank's
 counter is kept with when this process first saw its present value, so a rank's silence is
 counted from when it stopped beating (within an interval), not from when a wait first looks.
-Only time this process could look counts: when its own beat took longer than an interval, or
-its loop ran late (a store that held every request for seconds, as a TCP store may while ranks
-open new connections to it; a thread that did not get the interpreter), every clock starts
-again, since the others' beats were held up just the same.
+A stall of this process's own looks is no one's death: when its own beat took longer than an
+interval, or its loop ran late (a store that held every request for seconds, as a TCP store
+may while ranks open new connections to it; a thread that did not get the interpreter), it
+names nobody for :data:`STALL_GRACE` s, the time the others' held-up beats need to land; a
+rank silent since before the stall is named right after that.
 
 Nobody is declared dead for not beating; only a wait fails. A rank waiting in
 :meth:`~shardsafe.dist.Comm.arrive` hands the wait to its heartbeat thread, which on every beat
@@ -114,6 +115,9 @@ MIN_DEAD_AFTER = 3 * INTERVAL
 """A shorter ``dead_after`` is raised to this: fewer missed beats would name a busy rank."""
 POLL = 0.25
 """Seconds between two looks of a waiting thread at whether the store still answers."""
+STALL_GRACE = 2 * INTERVAL
+"""After this process could not look for a while (a beat of its own that took more than an
+interval, a loop that ran late), how long it names nobody: beats the stall held up land."""
 STORE_DEAD_AFTER = 10.0
 """A store request unanswered this long (or ``dead_after``, if longer) counts as a frozen
 store. More than a rank's ``dead_after`` floor: a store that is alive may hold every request
@@ -195,6 +199,7 @@ class Heartbeat:
         # when this process last came out of a stall of its own looks (a beat that took more
         # than an interval, or a loop that ran late): silence before it is not counted
         self._stalled_until = 0.0
+        self._grace_until = 0.0  # no verdict before this (monotonic): see _sample
         self._last_sample = time.monotonic()
         self.client.set(host_key(global_rank), socket.gethostname())
         self._last_beat = 0.0
@@ -339,7 +344,9 @@ class Heartbeat:
                     self._check(w)
             except Exception as e:  # the store is gone: every wait raises, naming it
                 self._store_failed = (time.monotonic(), f"{type(e).__name__}: {e}"[:200])
-                log.debug("rank %d: the store failed: %s", self.global_rank, e)
+                log.warning(
+                    "rank %d: the heartbeat stopped: the store failed: %r", self.global_rank, e
+                )
                 return
 
     def _sample(self) -> None:
@@ -367,16 +374,17 @@ class Heartbeat:
             values = [int(client.add(beat_key(g), 0)) for g in ranks]
         now = time.monotonic()
         # this process could not look for a while (its own beat or loop stalled: a store that
-        # held every request, a thread that did not get the interpreter): what it missed is
-        # not silence, and every clock starts again now
+        # held every request, a thread that did not get the interpreter): the others' beats may
+        # have been held just the same, so nobody is named until they have had time to land
         if now - self._last_sample > 2 * INTERVAL + self.interval():
             self._stalled_until = now
         self._last_sample = now
-        stalled = self._stalled_until >= now - self.interval()
+        if self._stalled_until >= now - self.interval():
+            self._grace_until = now + STALL_GRACE
         for g, beats in zip(ranks, values, strict=True):
             self._latest[g] = (beats, now)
             seen = self._observed.get(g)
-            if beats and (seen is None or seen[0] != beats or stalled):
+            if beats and (seen is None or seen[0] != beats):
                 self._observed[g] = (beats, now)
         if self._host0 is None and self._latest.get(0, (0, now))[0]:  # named if the store stops
             self._host0 = self.host(0)
@@ -427,6 +435,8 @@ class Heartbeat:
                 self._observed[g] = (beats, now)
                 continue
             if now - seen[1] <= (w.dead_after if beats else w.start_within):
+                continue
+            if time.monotonic() < self._grace_until:  # just out of a stall of its own
                 continue
             name = f"rank {r}" if g == r else f"rank {r} (global rank {g})"
             why = "never started heartbeating" if beats == 0 else "stopped heartbeating"

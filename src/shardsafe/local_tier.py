@@ -514,6 +514,7 @@ class LocalTier:
             headers = self.copy_round(
                 lambda: self._swap_headers(json.dumps(offer).encode()),
                 [*self.peers[comm.rank], *self.sources],
+                f"shardsafe/copies/{planned.token}/headers/dead",
             )
         except DistributedError as e:
             return {}, error_record(e)
@@ -550,6 +551,7 @@ class LocalTier:
                     checks=checks,
                 ),
                 {c.src if c.dst == comm.rank else c.dst for c in copies},
+                f"shardsafe/copies/{planned.token}/files/dead",
             )
         except DistributedError as e:
             return {}, error_record(e)
@@ -576,10 +578,14 @@ class LocalTier:
             return received, error_record(failure)
         return received, None
 
-    def copy_round(self, exchange: Callable[[], T], peers: Iterable[int]) -> T:
+    def copy_round(
+        self, exchange: Callable[[], T], peers: Iterable[int], key: str | None = None
+    ) -> T:
         """One copy round with ``peers``, under :meth:`~shardsafe.dist.Comm.with_peers`: a peer
         that stops heartbeating is named within ``dead_after``. Its thread may stay blocked
-        in gloo afterwards, so the tier's group is not used again."""
+        in gloo afterwards, so the tier's group is not used again. ``key``, the same on every
+        rank of the round, carries a verdict to every rank in it: a rank whose peers are alive
+        but held by a frozen rank it does not look at learns of it from the rank that does."""
         if self._lost is not None:
             raise DistributedError(
                 f"rank {self.comm.rank}: the local tier's copies stopped after an earlier copy "
@@ -587,7 +593,7 @@ class LocalTier:
             )
         try:
             return self.comm.with_peers(
-                exchange, peers, "the local tier's copy round", self.dead_after
+                exchange, peers, "the local tier's copy round", self.dead_after, verdict_key=key
             )
         except DistributedError as e:
             self._lost = str(e)
