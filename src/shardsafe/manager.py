@@ -179,6 +179,10 @@ class CheckpointManager:
                 max_staging_bytes=max_staging_bytes,
                 staging=self.staging,
             )
+        if not read_only:  # at start-up, not at the first save of each tier mid-training
+            self._saver.connect()
+            if self._local is not None:
+                self._local.saver.connect()
 
     def _make_directory(self, root: str | os.PathLike[str]) -> CheckpointDirectory:
         return StepDirectory(root)

@@ -217,6 +217,14 @@ class Saver:
         return comm
 
     # -- ahead of the first save -------------------------------------------------------------
+    def connect(self) -> None:
+        """Open the commit protocol's store connections now rather than at the first save.
+        Opening a TCP store connection holds the interpreter, and here took 4-5 s at times,
+        every rank at once: in the middle of training that stalls the step and the heartbeat
+        (:data:`shardsafe.liveness.STALL_GRACE`). A :class:`CheckpointManager` calls it."""
+        if self._clients is None and self.comm().distributed:
+            self._clients = connect()
+
     def prepare(
         self, sharded_state_dict: Any = None, *, nbytes: int | None = None, wait: bool = False
     ) -> int:
