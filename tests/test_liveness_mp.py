@@ -376,10 +376,12 @@ def _store_host_frozen(rank: int, world: int, base: str, where: str) -> None:
     comm.dead_after = DEAD
     if where == "collective":
         comm.arrive("before the all-gather", TIMEOUT, DEAD)
-        (out / f"arrived{rank}").write_text("")
+    (out / f"arrived{rank}").write_text("")
     if rank == 0:
-        deadline = time.monotonic() + BOUND  # every rank is through the arrival's store calls
-        while where == "collective" and time.monotonic() < deadline:
+        # every rank is through the first save's (and the arrival's) store calls: a rank still
+        # reading the commit's outcome when the store freezes fails that save instead
+        deadline = time.monotonic() + BOUND
+        while time.monotonic() < deadline:
             if all((out / f"arrived{r}").exists() for r in range(world)):
                 break
             time.sleep(0.05)
