@@ -250,8 +250,11 @@ class _Armed:
         self.fault = cfg["fault"]
         self.step: int | None = None
 
-    def fire(self) -> None:
-        """Record the moment (once across processes), then the action."""
+    def fire(self, step: int | None = None) -> None:
+        """Record the moment (once across processes), then the action. ``step`` is the step
+        whose save the fault's stage was met in: a delayed action may land after this rank
+        moved on (a rank that does not lead its place returns from a local save once the
+        step is decided, before its place's leader renamed it in)."""
         f = self.fault
         path = os.path.join(self.cfg["tmp"], "fault.json")
         try:
@@ -260,7 +263,8 @@ class _Armed:
             if f["kind"] != "full-disk":
                 return
         else:
-            record = {"time": time.time(), "rank": self.rank, "step": self.step}
+            struck = self.step if step is None else step
+            record = {"time": time.time(), "rank": self.rank, "step": struck, "now": self.step}
             os.write(fd, json.dumps(record).encode())
             os.close(fd)
         kind = f["kind"]
@@ -289,7 +293,8 @@ class _Armed:
         if delay <= 0:
             self.fire()
             return
-        threading.Thread(target=lambda: (time.sleep(delay), self.fire()), daemon=True).start()
+        step = self.step
+        threading.Thread(target=lambda: (time.sleep(delay), self.fire(step)), daemon=True).start()
 
     def install(self) -> None:
         import shardsafe.local_restore
@@ -877,19 +882,18 @@ def expected_step(tmp: str, layout: list[str], damaged: set[str]) -> int | None:
     return best
 
 
-def _check_nothing_lost(tmp: str, before: int, struck: int | None) -> None:
+def _check_nothing_lost(tmp: str, before: int) -> None:
     """Every step committed before the fault is still there: persistent ones all, local ones
     (the newest two, keep_last=2) in both original places, unless retention made room for
-    ``struck``, the step the fault struck, committed there after all."""
+    steps published there after the fault's stage was met (a delayed fault can land in a
+    later step's save; a place may or may not have published the step it struck)."""
     have = _steps_in(os.path.join(tmp, "persistent"))
     lost = [s for s in range(PERSIST_EVERY, before + 1, PERSIST_EVERY) if s not in have]
     if lost:
         raise CycleFailure(f"persistent steps {lost} committed before the fault are gone ({have})")
     for host in ("host0", "host1"):
         held = _steps_in(_place_dir(tmp, host))
-        want = [s for s in (before - 1, before) if s >= 1]
-        if struck is not None and struck in held:
-            want = [before]
+        want = sorted({*range(1, before + 1), *(s for s in held if s > before)})[-2:]
         if any(s not in held for s in want):
             raise CycleFailure(f"{host}'s local steps {held}: lost some of {want}")
 
@@ -1092,12 +1096,12 @@ def run_cycle(
                 )
             assert fired is not None
             struck = int(fired["step"])
-            _check_nothing_lost(tmp, struck - 1, struck)
+            _check_nothing_lost(tmp, struck - 1)
         else:
             bad = {r: x for r, x in p1.results.items() if "error" in x}
             if bad or len(p1.results) != len(hosts):
                 raise CycleFailure(f"training without a fault failed: {_brief(p1.results)}")
-            _check_nothing_lost(tmp, STEPS, None)
+            _check_nothing_lost(tmp, STEPS)
             if f.kind in FILE_FAULTS:
                 damaged = _damage(tmp, f)
                 say(f"damaged {sorted(damaged)} ({f.kind})")
@@ -1121,7 +1125,7 @@ def run_cycle(
             res.detect_s = _survivor_checks(
                 p2, fired, _victims(f, f.first_layout), slack, "restoring", _freezes_store(f)
             )
-            _check_nothing_lost(tmp, STEPS, None)
+            _check_nothing_lost(tmp, STEPS)
             del before
         res.expected = expected_step(tmp, f.layout, damaged)
         say(f"restart in layout {f.layout}: expect step {res.expected}")

@@ -296,8 +296,14 @@ def _lost_in_a_collective(rank: int, world: int, base: str, how: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         time.sleep(TIMEOUT)
     _survive(rank, out, lambda: comm.all_gather({"rank": rank}))
-    if rank == 0 and how == "stop":  # the frozen rank would otherwise outlive the test
-        os.kill(int((out / "pid2").read_text()), signal.SIGKILL)
+    if rank == 0:
+        # rank 0's process hosts the store: leaving before rank 1 named rank 2 would end
+        # rank 1's wait with the store's loss instead (what a job whose rank 0 exits sees)
+        deadline = time.monotonic() + BOUND
+        while not (out / "rank1.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if how == "stop":  # the frozen rank would otherwise outlive the test
+            os.kill(int((out / "pid2").read_text()), signal.SIGKILL)
 
 
 @pytest.mark.timeout(240)
