@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, cast
 
-from .checksum import digest
+from .checksum import StreamCheck, digest
 from .directory import StepDirectory, parse_step
 from .dist import outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
@@ -396,6 +396,13 @@ def _fetch(
             # a receiver makes the directory it writes into (the place's leader cleared a
             # fresh one before the gathers that led here)
             storage.make_dir(f"{base}/data")
+        # each copy is checked against the manifest's block checksums as it arrives: nothing
+        # received is read back (its size on disk is still compared)
+        checks = {
+            c: StreamCheck(check[0].get(c.name, []), check[1])
+            for c in copies
+            if c.dst == comm.rank and check is not None
+        }
         try:
             errors = tier.copy_round(
                 partial(
@@ -408,6 +415,7 @@ def _fetch(
                     partial(_joined, base),
                     target,
                     partial(_part, base, token=token),
+                    checks=checks,
                 ),
                 {
                     c.src if c.dst == comm.rank else c.dst
@@ -423,18 +431,9 @@ def _fetch(
                 continue
             part = _part(base, c.name, token)
             ok = not errors
-            if ok and check is not None:
-                extents, block_bytes = check
+            if ok and c in checks:
                 try:
-                    diff = verify_written(
-                        storage,
-                        part,
-                        extents.get(c.name, []),
-                        block_bytes,
-                        DEFAULT_MAX_BUFFER,
-                        evict=False,
-                    )
-                    ok = not diff and storage.size(part) == c.nbytes
+                    ok = not checks[c].finish() and storage.size(part) == c.nbytes
                 except Exception:
                     ok = False
             if ok:

@@ -3,9 +3,11 @@
 Every pair (sender, receiver) has one byte stream: its files back to back, in the order of
 the copy list, which both ends know (names and sizes) before anything moves. Streams advance
 in rounds: in round j every rank posts the j-th chunk of each stream it sends and receives,
-non-blocking, then waits for all of them, posts round j+1 and writes round j's chunks to disk
-while round j+1 moves. No rank waits for a message that its peer posts only after a wait of
-its own, so there is no deadlock, and the memory in flight is two chunks per stream. A rank that cannot read or write keeps taking part in every round (sending
+non-blocking, reads round j+1's chunks from disk while they move, then waits for all of them,
+posts round j+1 and writes round j's chunks to disk while round j+1 moves: reading, sending
+and writing overlap. No rank waits for a message that its peer posts only after a wait of
+its own, so there is no deadlock, and the memory in flight is two chunks per stream each way.
+A rank that cannot read or write keeps taking part in every round (sending
 zeros, dropping what it receives) and reports its error afterwards, so a local failure
 never leaves a peer blocked. A file name that is not a checkpoint file's
 (:func:`shardsafe.peers.check_offered`) is never opened on either end: its bytes still move
@@ -34,7 +36,7 @@ from .storage import Storage
 
 log = logging.getLogger("shardsafe")
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 4 << 20
 
 
 def _streams(
@@ -125,12 +127,10 @@ def exchange_files(
 
         Posted = tuple[list[Any], list[tuple[int, torch.Tensor, int]]]
 
-        def post(j: int) -> Posted:
-            """Read and send round ``j``'s chunks, and post its receives (tagged by round parity:
-            at most two rounds of a pair are in flight)."""
+        def read(j: int) -> list[tuple[int, torch.Tensor]]:
+            """Round ``j``'s outgoing chunks, read from the files."""
             start = j * chunk_bytes
-            ops = []
-            received: list[tuple[int, torch.Tensor, int]] = []
+            chunks = []
             for dst, files in sorted(outgoing.items()):
                 stop = min(start + chunk_bytes, out_len[dst])
                 if stop <= start:
@@ -151,7 +151,18 @@ def exchange_files(
                         msg = f"cannot read {source.describe(source_rel(name))}: {e}"
                         if msg not in errors:
                             errors.append(msg)
-                ops.append(tdist.isend(buf, dst=global_rank(dst), group=group, tag=j % 2))
+                chunks.append((dst, buf))
+            return chunks
+
+        def post(j: int, chunks: list[tuple[int, torch.Tensor]]) -> Posted:
+            """Send round ``j``'s chunks (read ahead), and post its receives (tagged by round
+            parity: at most two rounds of a pair are in flight)."""
+            start = j * chunk_bytes
+            ops = [
+                tdist.isend(buf, dst=global_rank(dst), group=group, tag=j % 2)
+                for dst, buf in chunks
+            ]
+            received: list[tuple[int, torch.Tensor, int]] = []
             for src in sorted(incoming):
                 stop = min(start + chunk_bytes, in_len[src])
                 if stop <= start:
@@ -179,14 +190,16 @@ def exchange_files(
                         writers[(src, i)] = None
 
         try:
-            # round j+1 moves over the network while round j is written to disk
-            pending = post(0) if rounds else None
+            # round j+1 is read from disk while round j moves over the network, and moves
+            # while round j is written to disk
+            pending = post(0, read(0)) if rounds else None
             for j in range(rounds):
                 assert pending is not None
                 ops, received = pending
+                ahead = read(j + 1) if j + 1 < rounds else []
                 for op in ops:
                     cast(Any, op).wait()
-                pending = post(j + 1) if j + 1 < rounds else None
+                pending = post(j + 1, ahead) if j + 1 < rounds else None
                 store(j, received)
             # files of length 0 get no round: create them too
             for src, files in incoming.items():
