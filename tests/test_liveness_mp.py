@@ -252,6 +252,65 @@ def test_slow_rank_in_a_copy_round_is_waited_for(tmp_path: Path) -> None:
         assert (run / "step_000000002" / "data" / f"rank-{source:05d}-00.bin").is_file()
 
 
+def _held_by_a_frozen_rank(rank: int, world: int, base: str, relay: bool) -> None:
+    """A chain of point-to-point messages 2 -> 1 -> 0: rank 2 freezes before it sends, so
+    rank 1 never sends to rank 0 either. Rank 0 looks only at its own peer, rank 1, which is
+    alive (it stays until rank 0 has its answer)."""
+    import torch.distributed as dist
+
+    from shardsafe.dist import get_comm
+
+    out = Path(base)
+    comm = get_comm()
+    comm.arrive("before the chain", TIMEOUT, DEAD)
+    key = "test/chain/dead" if relay else None
+    if rank == 2:
+        (out / "pid2").write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(TIMEOUT)
+    if rank == 1:
+
+        def chain() -> None:
+            got = torch.zeros(1)
+            dist.recv(got, src=2)
+            dist.send(got, dst=0)
+
+        _survive(rank, out, lambda: comm.with_peers(chain, [2, 0], "a chain", DEAD, key))
+        deadline = time.monotonic() + BOUND + 10
+        while not (out / "rank0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return
+    _survive(
+        rank,
+        out,
+        lambda: comm.with_peers(
+            lambda: dist.recv(torch.zeros(1), src=1), [1], "a chain", DEAD, key
+        ),
+    )
+    os.kill(int((out / "pid2").read_text()), signal.SIGKILL)
+
+
+@pytest.mark.timeout(240)
+def test_a_verdict_reaches_a_rank_whose_own_peers_are_alive(tmp_path: Path) -> None:
+    """A copy round's verdict key (``Comm.with_peers(..., verdict_key)``): rank 0's only peer
+    is alive but held by frozen rank 2, which rank 0 does not look at; rank 1 names rank 2,
+    and rank 0 learns it from the key instead of waiting out gloo's timeout (120 s here)."""
+    try:
+        with pytest.raises(RankFailure) as failed:
+            run_ranks(
+                _held_by_a_frozen_rank, WORLD, str(tmp_path), True, timeout=200, pg_timeout=120
+            )
+        assert set(failed.value.errors) == {2}, failed.value.errors
+    finally:
+        _end_rank_2(tmp_path)
+    for r in (0, 1):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "DistributedError", rec
+        assert f"rank 2 on {socket.gethostname()}" in rec["message"], rec
+        assert rec["rank_errors"] == {"2": "dead"}, rec
+        assert rec["seconds"] < BOUND, rec
+
+
 def _lost_in_restore_copy(rank: int, world: int, base: str) -> None:
     out = Path(base)
     mgr = _tiered(out, rank)
