@@ -201,3 +201,17 @@ def test_hf_export_names_the_common_state_it_leaves_out(tmp_path, capsys):
     assert "optim.param_groups" in line and "step" in line and "pair" in line
     with pytest.warns(UserWarning, match=r"not exported.*optim\.param_groups.*step"):
         shardsafe.convert.export_hf(shardsafe.CheckpointReader(tmp_path / "c"), tmp_path / "hf2")
+
+
+def test_a_shardsafe_export_keeps_the_content_metadata(tmp_path, capsys):
+    """``convert --to shardsafe`` (whole or a selection of keys) carries the source's
+    ``content_metadata`` over, exactly (tuples and int keys included), as a Megatron export does."""
+    content = {"singleton_local_shards": False, "layout": ("tp", 2), 3: "three"}
+    shardsafe.save(_trained_state(), tmp_path / "c", content_metadata=content)
+    assert main(["convert", str(tmp_path / "c"), str(tmp_path / "s"), "--to", "shardsafe"]) == 0
+    assert shardsafe.load_content_metadata(tmp_path / "s") == content
+    picked = shardsafe.convert.SelectedSource(
+        shardsafe.CheckpointReader(tmp_path / "c"), dtype=torch.bfloat16
+    )
+    shardsafe.convert.native.export_shardsafe(picked, tmp_path / "p")
+    assert shardsafe.load_content_metadata(tmp_path / "p") == content

@@ -21,10 +21,9 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointExistsError, ValidationError
-from ..format import Manifest
-from ..loading import content_metadata_of
 from .dcp import MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE
 from .dcp_writer import _SourcePlanner, save_through
+from .native import source_content_metadata
 from .publish import refuse_source_overlap, staged
 from .source import Progress, TensorSource, tensor_nbytes
 
@@ -87,7 +86,7 @@ def export_megatron(
     common = _without_sharded_places(
         dict(common) if isinstance(common, dict) else {"common": common}
     )
-    content = _content_metadata(source)
+    content = source_content_metadata(source)
     if content is not None:  # Megatron keeps it in the common state, where its load returns it
         common.setdefault(CONTENT_METADATA_KEY, content)
     with staged(dst, _is_megatron_file, MEGATRON_CONFIG_FILE) as work:
@@ -101,19 +100,6 @@ def _is_megatron_file(name: str) -> bool:
     return name in (".metadata", MEGATRON_COMMON_FILE, MEGATRON_CONFIG_FILE) or name.endswith(
         ".distcp"
     )
-
-
-def _content_metadata(source: Any) -> dict[str, Any] | None:
-    """The ``content_metadata`` of a shardsafe checkpoint being exported (through wrappers
-    such as a key selection), or None."""
-    for _ in range(8):
-        manifest = getattr(source, "manifest", None)
-        if isinstance(manifest, Manifest):
-            return content_metadata_of(manifest, f"{getattr(source, 'path', '')}")
-        source = getattr(source, "source", None)
-        if source is None:
-            return None
-    return None
 
 
 def _without_sharded_places(tree: Any) -> Any:

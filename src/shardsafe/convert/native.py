@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..checksum import DEFAULT_BLOCK_BYTES
 from ..dist import Comm
 from ..format import MANIFEST_NAME, Manifest
+from ..loading import content_metadata_of
 from ..location import locate
 from ..reader import CheckpointReader
 from ..save_write import StreamedTensor
@@ -47,8 +49,9 @@ def export_shardsafe(
     progress: Progress | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> Manifest:
-    """Write every tensor of ``source`` (whole, one piece each) and its common state to ``dst``
-    with a one-process save (lease, file check and atomic commit as any save's)."""
+    """Write every tensor of ``source`` (whole, one piece each), its common state and, from a
+    shardsafe checkpoint, its ``content_metadata`` to ``dst`` with a one-process save (lease,
+    file check and atomic commit as any save's)."""
     refuse_source_overlap(source, dst)
     warn_unexported(source, "export_shardsafe")
     keys = source.tensor_keys()
@@ -73,9 +76,24 @@ def export_shardsafe(
     state = SplitStateDict(tensors=tensors, common=source.common())
     saver = Saver(Comm(), files_per_rank=1, block_bytes=block_bytes)
     try:
-        saver.save(state, dst, overwrite=overwrite)
+        saver.save(
+            state, dst, overwrite=overwrite, content_metadata=source_content_metadata(source)
+        )
     finally:
         saver.close()
     loc = locate(dst)
     rel = loc.join(MANIFEST_NAME)
     return Manifest.loads(loc.parent.read_bytes(rel), loc.parent.describe(rel))
+
+
+def source_content_metadata(source: Any) -> dict[str, Any] | None:
+    """The ``content_metadata`` of a shardsafe checkpoint being exported (through wrappers
+    such as a key selection), or None."""
+    for _ in range(8):
+        manifest = getattr(source, "manifest", None)
+        if isinstance(manifest, Manifest):
+            return content_metadata_of(manifest, f"{getattr(source, 'path', '')}")
+        source = getattr(source, "source", None)
+        if source is None:
+            return None
+    return None
