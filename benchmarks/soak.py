@@ -407,17 +407,25 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             mgr.wait()
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}", "error_time": time.time(), "step": step}
-    mgr.close()
-    _last_out()
+    try:
+        mgr.close()
+        _last_out()
+    except Exception as e:  # a fault that struck after the last save (its drain, say)
+        return {"error": f"{type(e).__name__}: {e}", "error_time": time.time(), "step": STEPS}
     return {"done": STEPS}
 
 
 def _last_out() -> None:
     """A job that ends well leaves together: with a ``tcp://`` rendezvous rank 0's process
-    hosts the store, and exiting first would cut off ranks still reading a commit outcome."""
-    import torch.distributed as dist
+    hosts the store, and exiting first would cut off ranks still reading a commit outcome.
+    The ranks meet in one of shardsafe's collectives, which run under the heartbeat (a rank
+    frozen after its last save is named within ``dead_after``, not a barrier's 60 s timeout),
+    and no store read follows it."""
+    from shardsafe.dist import get_comm
 
-    dist.barrier()
+    comm = get_comm()
+    comm.dead_after = DEAD_AFTER  # the managers' (a plain Comm's default is liveness's 10 s)
+    comm.all_gather("the end of the run")
 
 
 def restart(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
