@@ -118,3 +118,57 @@ def test_a_store_that_held_every_request_is_no_ranks_death() -> None:
     finally:
         stop.set()
         del store  # the heartbeat thread ends with its store
+
+
+def test_a_rank_that_died_while_the_watcher_could_not_look_is_named_after_the_grace() -> None:
+    """The watcher's own requests are held (its looks stall) for longer than dead_after; rank 1,
+    whose store is not held, beats into the middle of that stall and dies. The beats the watcher
+    finds when it can look again came at some moment of the stall, not then: rank 1 is named
+    once the stall's grace is over, not dead_after after the stall."""
+    from shardsafe.liveness import INTERVAL, STALL_GRACE
+
+    dead_after = 8.0
+    store = HeldStore()
+    peer = store.view(0.0, 0.0)
+    peer.hold = [0.0, 0.0]  # its own: rank 1's beats are never held
+    stop = threading.Event()
+
+    def rank1_beats() -> None:
+        while not stop.is_set():
+            peer.add(beat_key(1), 1)
+            time.sleep(0.3)
+
+    beater = threading.Thread(target=rank1_beats, daemon=True)
+    beater.start()
+    beat = Heartbeat(store, 0, world_size=2)
+    verdicts: list[tuple[float, dict[str, Any]]] = []
+    beat.watch(
+        Watch(
+            None,
+            lambda r: f"arrived{r}",
+            [1],
+            lambda r: r,
+            False,
+            "test",
+            dead_after,
+            60.0,
+            notify=lambda v: verdicts.append((time.monotonic(), v)),
+        )
+    )
+    try:
+        time.sleep(1.5)
+        start = time.monotonic() + 0.5
+        end = start + dead_after + 1.0
+        store.hold[:] = [start, end]  # the watcher cannot look for longer than dead_after
+        time.sleep(0.5 + 2.0)
+        stop.set()  # rank 1 dies 2 s into the stall
+        beater.join()
+        deadline = end + dead_after + 4.0
+        while not verdicts and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert verdicts and verdicts[0][1]["rank"] == 1, verdicts
+        # named within the grace (+ two looks) after the stall, not dead_after after it
+        assert verdicts[0][0] - end < STALL_GRACE + 2 * INTERVAL + 0.5, verdicts[0][0] - end
+    finally:
+        stop.set()
+        del store

@@ -373,19 +373,24 @@ class Heartbeat:
         if not self._multi:
             values = [int(client.add(beat_key(g), 0)) for g in ranks]
         now = time.monotonic()
+        previous = self._last_sample
         # this process could not look for a while (its own beat or loop stalled: a store that
         # held every request, a thread that did not get the interpreter): the others' beats may
         # have been held just the same, so nobody is named until they have had time to land
-        if now - self._last_sample > 2 * INTERVAL + self.interval():
+        if now - previous > 2 * INTERVAL + self.interval():
             self._stalled_until = now
         self._last_sample = now
-        if self._stalled_until >= now - self.interval():
+        stalled = self._stalled_until >= now - self.interval()
+        if stalled:
             self._grace_until = now + STALL_GRACE
         for g, beats in zip(ranks, values, strict=True):
             self._latest[g] = (beats, now)
             seen = self._observed.get(g)
             if beats and (seen is None or seen[0] != beats):
-                self._observed[g] = (beats, now)
+                # a beat seen after a stall came at some moment of it: counted from the look
+                # before, so that a rank that died during the stall is named once the grace
+                # is over, not dead_after after it (a live rank beats again within the grace)
+                self._observed[g] = (beats, previous if stalled and seen is not None else now)
         if self._host0 is None and self._latest.get(0, (0, now))[0]:  # named if the store stops
             self._host0 = self.host(0)
 

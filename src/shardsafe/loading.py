@@ -1,4 +1,5 @@
-"""``load``: read the manifest, fill every requested piece in place, merge the common state.
+"""``load``: read the manifest, fill every requested piece in place, merge the common state
+(the merge and the Stateful hand-back are :mod:`shardsafe.load_result`'s).
 
 Each rank reads only what it asked for: every requested box (or flat range) is intersected
 with the stored boxes, so any saved layout loads into any requested layout. At the end all
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -24,7 +24,6 @@ from .dist import get_comm, outcome, raise_for
 from .dtypes import dtype_from_name
 from .engine import DEFAULT_MAX_BUFFER, DataReader, ReadTask, default_threads, plan_reads, run_tasks
 from .errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleRequestError,
@@ -35,6 +34,16 @@ from .errors import (
 from .format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, TensorEntry
 from .geometry import Box, intersect
 from .liveness import DEAD_AFTER
+from .load_result import (
+    ABSENT,
+    apply_factories_recording,
+    get_at,
+    hand_back,
+    lookup,
+    merge_common,
+    replace_at,
+    resolve_refs,
+)
 from .location import TMP_MARK, Location, locate
 from .parallel_load import (
     MIN_SHARED_BYTES,
@@ -49,16 +58,10 @@ from .parallel_load import (
     transfer,
 )
 from .sharding import (
-    CoordinatorObject,
-    LocalNonPersistentObject,
     Path,
-    ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
-    TensorRef,
     adapt,
-    format_path,
-    is_plain_tensor,
     resolve_stateful,
     split_state_dict,
 )
@@ -373,43 +376,6 @@ def _hand_back_all(
     return (body, *result[1:]) if strict.returns and isinstance(result, tuple) else body
 
 
-def hand_back(result: Any, statefuls: list[tuple[Path, Any]], where: str) -> Any:
-    """Give each Stateful object (innermost first) its loaded part, and put the object in its
-    place in ``result``, so the result saves again as the template did."""
-    for at, obj in statefuls:
-        value = _lookup_or(result, at)
-        if value is _ABSENT:
-            raise MissingKeyError(
-                f"{where}: nothing was loaded for the {type(obj).__qualname__} at "
-                f"{format_path(at)}: its state_dict() keys are not in the checkpoint"
-            )
-        try:
-            obj.load_state_dict(value)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise IncompatibleRequestError(
-                f"{where}: {type(obj).__qualname__}.load_state_dict() of {format_path(at)} failed "
-                f"on what the checkpoint holds: {type(e).__name__}: {e}"
-            ) from e
-        result = _replace_at(result, at, obj)
-    return result
-
-
-def _lookup_or(tree: Any, path: Path) -> Any:
-    """The value at ``path`` in ``tree``, or ``_ABSENT``."""
-    for p in path:
-        if isinstance(tree, dict):
-            tree = tree.get(p, _ABSENT)
-        elif isinstance(tree, list) and isinstance(p, int) and 0 <= p < len(tree):
-            tree = tree[p]
-        else:
-            return _ABSENT
-        if tree is _ABSENT:
-            return _ABSENT
-    return tree
-
-
 ForeignLoader = Callable[[Any, "str | os.PathLike[str]", StrictHandling], Any]
 
 
@@ -474,9 +440,9 @@ class _LoadJob:
         self.where = self.storage.describe(MANIFEST_NAME)
         self.factories: list[tuple[Path, ShardedTensorFactory]] = []
         template, self.statefuls = resolve_stateful(template)
-        self.tree = _apply_factories_recording(adapt(template), (), self.factories)
+        self.tree = apply_factories_recording(adapt(template), (), self.factories)
         self.split = split_state_dict(self.tree)
-        self._common: Any = _ABSENT
+        self._common: Any = ABSENT
         # Checkpoints written before plain tensors were stored as tensors hold them in the
         # common state: those are filled from there, in place.
         self.plain_paths = {self.split.tensors[i][0] for i in self.split.replicated}
@@ -486,7 +452,7 @@ class _LoadJob:
             if path in self.plain_paths and st.key not in manifest.tensors
         ]
         legacy = {
-            key for path, key in absent if isinstance(_lookup(self.common, path), torch.Tensor)
+            key for path, key in absent if isinstance(lookup(self.common, path), torch.Tensor)
         }
         self.requested = {st.key for _, st in self.split.tensors} | {
             o.unique_key for _, o in self.split.objects
@@ -561,7 +527,7 @@ class _LoadJob:
     @property
     def common(self) -> Any:
         """The checkpoint's common state, decoded once when first needed."""
-        if self._common is _ABSENT:
+        if self._common is ABSENT:
             with DataReader(
                 self.storage, self.manifest.block_bytes, self.max_buffer, self.direct_io
             ) as reader:
@@ -588,10 +554,10 @@ class _LoadJob:
                 for path, st in self.split.tensors
                 if path in self.plain_paths and st.key not in self.skip
             }
-            result = _merge(self.tree, self.common, self.values, plain, ())
-            result = _resolve_refs(result, lambda key: self._read_whole(reader, key))
+            result = merge_common(self.tree, self.common, self.values, plain, ())
+            result = resolve_refs(result, lambda key: self._read_whole(reader, key))
         for fpath, factory in reversed(self.factories):
-            result = _replace_at(result, fpath, factory.merge_fn(_get_at(result, fpath)))
+            result = replace_at(result, fpath, factory.merge_fn(get_at(result, fpath)))
         content = content_metadata_of(manifest, self.where)
         if isinstance(result, dict) and content is not None:
             result.setdefault("content_metadata", content)  # where Megatron-LM reads it
@@ -624,128 +590,6 @@ def _suggest(key: str, manifest: Manifest) -> str:
     return hint + "; check the keys, or pass strict='log_unexpected' to load the rest"
 
 
-def _apply_factories_recording(
-    node: Any, path: Path, out: list[tuple[Path, ShardedTensorFactory]]
-) -> Any:
-    if isinstance(node, ShardedTensorFactory):
-        out.append((path, node))
-        return _apply_factories_recording(node.build(), path, out)
-    if isinstance(node, dict):
-        return {k: _apply_factories_recording(v, (*path, k), out) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_apply_factories_recording(v, (*path, i), out) for i, v in enumerate(node)]
-    return node
-
-
-_ABSENT = object()
-
-
-def _merge(
-    template: Any, common: Any, values: dict[int, Any], plain: dict[Path, Any], path: Path
-) -> Any:
-    """The template's structure with loaded values, plain leaves from the checkpoint's common state.
-
-    A plain tensor of the template comes back as itself, filled in place.
-    """
-    if isinstance(template, ShardedTensor):
-        return values.get(id(template), _ABSENT)
-    if isinstance(template, ShardedObject):
-        return values.get(id(template), _ABSENT)
-    if isinstance(template, LocalNonPersistentObject):
-        return template.unwrap()
-    if isinstance(template, CoordinatorObject):
-        return template.unwrap() if common is _ABSENT else common
-    if is_plain_tensor(template):
-        if path in plain:
-            return template
-        if isinstance(common, torch.Tensor) and common.shape == template.shape:
-            template.detach().copy_(common)  # a checkpoint that kept it in common state
-            return template
-        return _ABSENT
-    if isinstance(template, dict):
-        out = dict(common) if isinstance(common, dict) else {}
-        for k, v in template.items():
-            merged = _merge(
-                v,
-                common.get(k, _ABSENT) if isinstance(common, dict) else _ABSENT,
-                values,
-                plain,
-                (*path, k),
-            )
-            if merged is _ABSENT:
-                out.pop(k, None)
-            else:
-                out[k] = merged
-        return out
-    if isinstance(template, list):
-        base = common if isinstance(common, list) else []
-        out_list = [
-            _merge(v, base[i] if i < len(base) else _ABSENT, values, plain, (*path, i))
-            for i, v in enumerate(template)
-        ]
-        kept = [v for v in out_list if v is not _ABSENT]
-        if any(_holds_pieces(v) for v in template):
-            return kept  # the layout gives this list its length (per-rank pieces)
-        # a list of plain values is common state: stored items past the template's end are
-        # kept, as a dict's stored keys the template lacks are (never dropped without a word)
-        return kept + base[len(template) :]
-    return template if common is _ABSENT else common
-
-
-def _holds_pieces(node: Any) -> bool:
-    """Whether ``node`` is or holds a sharded entry or a plain tensor of the template."""
-    if isinstance(node, (ShardedTensor, ShardedObject, LocalNonPersistentObject)):
-        return True
-    if is_plain_tensor(node):
-        return True
-    if isinstance(node, dict):
-        return any(_holds_pieces(v) for v in node.values())
-    if isinstance(node, list):
-        return any(_holds_pieces(v) for v in node)
-    return False
-
-
-def _lookup(tree: Any, path: Path) -> Any:
-    for p in path:
-        if isinstance(tree, list) and isinstance(p, int) and 0 <= p < len(tree):
-            tree = tree[p]
-        elif not isinstance(tree, dict) or p not in tree:
-            return None
-        else:
-            tree = tree[p]
-    return tree
-
-
-def _resolve_refs(tree: Any, read: Callable[[str], torch.Tensor]) -> Any:
-    """Replace every :class:`TensorRef` left in ``tree`` by the stored tensor, read whole."""
-    if isinstance(tree, TensorRef):
-        return read(tree.key)
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            if isinstance(v, (TensorRef, dict, list)):
-                tree[k] = _resolve_refs(v, read)
-        return tree
-    if isinstance(tree, list):
-        for i, v in enumerate(tree):
-            if isinstance(v, (TensorRef, dict, list)):
-                tree[i] = _resolve_refs(v, read)
-        return tree
-    return tree
-
-
-def _get_at(tree: Any, path: Path) -> Any:
-    for p in path:
-        tree = tree[p]
-    return tree
-
-
-def _replace_at(tree: Any, path: Path, value: Any) -> Any:
-    if not path:
-        return value
-    _get_at(tree, path[:-1])[path[-1]] = value
-    return tree
-
-
 def load_content_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The ``content_metadata`` given to ``save``, without reading any tensor."""
     manifest, storage = read_manifest(path)
@@ -767,9 +611,6 @@ def content_metadata_of(manifest: Manifest, where: str) -> dict[str, Any] | None
     return dict(value) if isinstance(value, dict) else None
 
 
-_ = math
-
-
 def files_to_read(template: Any, manifest: Manifest) -> set[str]:
     """The data files a load of ``template`` reads from a checkpoint with ``manifest``.
 
@@ -777,7 +618,7 @@ def files_to_read(template: Any, manifest: Manifest) -> set[str]:
     that meets a requested box, of every object requested, of the common state's blobs and of
     the tensors it refers to. A restore from copies spread over hosts fetches these first.
     """
-    tree = _apply_factories_recording(adapt(resolve_stateful(template)[0]), (), [])
+    tree = apply_factories_recording(adapt(resolve_stateful(template)[0]), (), [])
     split = split_state_dict(tree)
     files: set[str] = set()
     for _, st in split.tensors:

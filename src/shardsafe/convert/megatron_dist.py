@@ -18,13 +18,8 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, IncompatibleRequestError, MissingKeyError
-from ..loading import (
-    StrictHandling,
-    _apply_factories_recording,
-    _get_at,
-    _merge,
-    _replace_at,
-)
+from ..load_result import apply_factories_recording, get_at, merge_common, replace_at
+from ..loading import StrictHandling
 from ..sharding import ShardedTensor, ShardedTensorFactory, adapt, split_state_dict
 from .dcp import DcpSource
 
@@ -56,7 +51,7 @@ def _load(
 ) -> Any:
     source = DcpSource(path, trust=trust)
     factories: list[tuple[Any, ShardedTensorFactory]] = []
-    tree = _apply_factories_recording(adapt(template), (), factories)
+    tree = apply_factories_recording(adapt(template), (), factories)
     # Megatron keeps plain leaves in common state; DCP stores them as tensors under their paths
     split = split_state_dict(tree, plain_tensors=plain_tensors)
     tensor_keys = set(source.tensor_keys())
@@ -93,9 +88,9 @@ def _load(
     else:
         plain = source.megatron_common()  # common.pt, or megatron-core 0.19's common_state
     filled = {split.tensors[i][0]: split.tensors[i][1] for i in split.replicated}
-    result = _merge(tree, plain, values, filled, ())
+    result = merge_common(tree, plain, values, filled, ())
     for fpath, factory in reversed(factories):
-        result = _replace_at(result, fpath, factory.merge_fn(_get_at(result, fpath)))
+        result = replace_at(result, fpath, factory.merge_fn(get_at(result, fpath)))
     if strict.returns:
         return result, set(), set(unexpected)
     return result
