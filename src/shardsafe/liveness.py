@@ -118,6 +118,12 @@ POLL = 0.25
 STALL_GRACE = 2 * INTERVAL
 """After this process could not look for a while (a beat of its own that took more than an
 interval, a loop that ran late), how long it names nobody: beats the stall held up land."""
+STALL_GAP = 2 * INTERVAL
+"""Two looks this far apart are a stall of this process's looks (it missed at least one): a
+beat first seen after it counts from the look before, under :data:`STALL_GRACE`. Beats seen
+after a shorter gap count from when they were seen, at most this late (the looks ran up to
+3 s apart at times on a loaded two-core machine, under the earlier 3 s threshold, and a death
+during such a gap was named 3 s late)."""
 STORE_DEAD_AFTER = 10.0
 """A store request unanswered this long (or ``dead_after``, if longer) counts as a frozen
 store. More than a rank's ``dead_after`` floor: a store that is alive may hold every request
@@ -377,7 +383,7 @@ class Heartbeat:
         # this process could not look for a while (its own beat or loop stalled: a store that
         # held every request, a thread that did not get the interpreter): the others' beats may
         # have been held just the same, so nobody is named until they have had time to land
-        if now - previous > 2 * INTERVAL + self.interval():
+        if now - previous > STALL_GAP:
             self._stalled_until = now
         self._last_sample = now
         stalled = self._stalled_until >= now - self.interval()
