@@ -249,6 +249,7 @@ class _Armed:
         self.rank = rank
         self.fault = cfg["fault"]
         self.step: int | None = None
+        self.pending: threading.Thread | None = None  # a delayed fault on its way
 
     def fire(self, step: int | None = None) -> None:
         """Record the moment (once across processes), then the action. ``step`` is the step
@@ -294,7 +295,16 @@ class _Armed:
             self.fire()
             return
         step = self.step
-        threading.Thread(target=lambda: (time.sleep(delay), self.fire(step)), daemon=True).start()
+        self.pending = threading.Thread(
+            target=lambda: (time.sleep(delay), self.fire(step)), daemon=True
+        )
+        self.pending.start()
+
+    def settle(self) -> None:
+        """Let a delayed fault that was set off strike before the run ends (a daemon thread
+        dies with its process: a fault met in the last save's background would never strike)."""
+        if self.pending is not None:
+            self.pending.join()
 
     def install(self) -> None:
         import shardsafe.local_restore
@@ -409,6 +419,8 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             return {"error": f"{type(e).__name__}: {e}", "error_time": time.time(), "step": step}
     try:
         mgr.close()
+        if armed is not None:
+            armed.settle()
         _last_out()
     except Exception as e:  # a fault that struck after the last save (its drain, say)
         return {"error": f"{type(e).__name__}: {e}", "error_time": time.time(), "step": STEPS}
