@@ -73,11 +73,8 @@ class HeldStore:
             return self.data[key]
 
 
-def test_a_store_that_held_every_request_is_no_ranks_death() -> None:
-    store = HeldStore()
-    # rank 1's beats are held from 1.5 s before the watcher's requests (so from before its
-    # last look) until half a second after them (so after its first look)
-    peer = store.view(lead=1.5, lag=0.5)
+def _rank1_beating(peer: HeldStore) -> tuple[threading.Event, threading.Thread]:
+    """Rank 1's heartbeat through ``peer``, every 0.3 s until the event is set."""
     stop = threading.Event()
 
     def rank1_beats() -> None:
@@ -87,8 +84,12 @@ def test_a_store_that_held_every_request_is_no_ranks_death() -> None:
 
     beater = threading.Thread(target=rank1_beats, daemon=True)
     beater.start()
+    return stop, beater
+
+
+def _watching_rank1(store: HeldStore, dead_after: float, notify: Any) -> Heartbeat:
+    """Rank 0's heartbeat in ``store``, watching rank 1 with ``dead_after``."""
     beat = Heartbeat(store, 0, world_size=2)
-    verdicts: list[dict[str, Any]] = []
     beat.watch(
         Watch(
             None,
@@ -97,11 +98,22 @@ def test_a_store_that_held_every_request_is_no_ranks_death() -> None:
             lambda r: r,
             False,
             "test",
-            DEAD,
+            dead_after,
             60.0,
-            notify=verdicts.append,
+            notify=notify,
         )
     )
+    return beat
+
+
+def test_a_store_that_held_every_request_is_no_ranks_death() -> None:
+    store = HeldStore()
+    # rank 1's beats are held from 1.5 s before the watcher's requests (so from before its
+    # last look) until half a second after them (so after its first look)
+    peer = store.view(lead=1.5, lag=0.5)
+    stop, beater = _rank1_beating(peer)
+    verdicts: list[dict[str, Any]] = []
+    _watching_rank1(store, DEAD, verdicts.append)
     try:
         time.sleep(1.0)
         start = time.monotonic() + 1.5
@@ -131,30 +143,9 @@ def test_a_rank_that_died_while_the_watcher_could_not_look_is_named_after_the_gr
     store = HeldStore()
     peer = store.view(0.0, 0.0)
     peer.hold = [0.0, 0.0]  # its own: rank 1's beats are never held
-    stop = threading.Event()
-
-    def rank1_beats() -> None:
-        while not stop.is_set():
-            peer.add(beat_key(1), 1)
-            time.sleep(0.3)
-
-    beater = threading.Thread(target=rank1_beats, daemon=True)
-    beater.start()
-    beat = Heartbeat(store, 0, world_size=2)
+    stop, beater = _rank1_beating(peer)
     verdicts: list[tuple[float, dict[str, Any]]] = []
-    beat.watch(
-        Watch(
-            None,
-            lambda r: f"arrived{r}",
-            [1],
-            lambda r: r,
-            False,
-            "test",
-            dead_after,
-            60.0,
-            notify=lambda v: verdicts.append((time.monotonic(), v)),
-        )
-    )
+    _watching_rank1(store, dead_after, lambda v: verdicts.append((time.monotonic(), v)))
     try:
         time.sleep(1.5)
         start = time.monotonic() + 0.5

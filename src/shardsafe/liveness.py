@@ -90,6 +90,7 @@ thread (about 0.4 s at 100 µs each).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -196,6 +197,7 @@ class Heartbeat:
         self._host0: str | None = socket.gethostname() if global_rank == 0 else None
         self._rates: dict[int, float] = {}  # faster beats asked for while a commit waits
         self._wake = threading.Event()
+        self._stopping = False
         self._lock = threading.Lock()
         # when this process's request to the store in flight was sent (None: none in flight),
         # and how the store failed for good: what tells a frozen or lost store from a slow rank
@@ -335,11 +337,18 @@ class Heartbeat:
         if self._last_beat - t0 > INTERVAL:  # the store, or this process, stalled meanwhile
             self._stalled_until = self._last_beat
 
+    def stop(self, timeout: float) -> None:
+        """End the heartbeat thread (at the interpreter's exit), waiting up to ``timeout`` s
+        for a store request of it in flight."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
     def _run(self) -> None:
         while True:
             self._wake.wait(self.interval())
             self._wake.clear()
-            if self._store() is None:  # the process group was destroyed
+            if self._stopping or self._store() is None:  # exiting, or the group was destroyed
                 return
             try:
                 self._beat()
@@ -525,12 +534,27 @@ class Heartbeats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._current: Heartbeat | None = None
+        self._at_exit = False
 
     def ensure(self, store: Any, global_rank: int, world_size: int = 1) -> Heartbeat:
         with self._lock:
             if self._current is None or not self._current.serves(store):
                 self._current = Heartbeat(store, global_rank, world_size)
+            if not self._at_exit:
+                # a script that ends without destroying its process group may otherwise exit
+                # with this thread inside a store request while the store's C++ objects are torn
+                # down (the README example once ended "terminate called without an active
+                # exception", exit code -6, its work done; the cause is not proven)
+                atexit.register(self.stop)
+                self._at_exit = True
             return self._current
+
+    def stop(self) -> None:
+        """Stop this process's heartbeat (registered to run at the interpreter's exit)."""
+        with self._lock:
+            current = self._current
+        if current is not None:
+            current.stop(timeout=2.0)
 
 
 HEARTBEATS = Heartbeats()
