@@ -146,18 +146,6 @@ def holds_pieces(node: Any) -> bool:
     return False
 
 
-def lookup(tree: Any, path: Path) -> Any:
-    """The value at ``path`` in ``tree``, or None."""
-    for p in path:
-        if isinstance(tree, list) and isinstance(p, int) and 0 <= p < len(tree):
-            tree = tree[p]
-        elif not isinstance(tree, dict) or p not in tree:
-            return None
-        else:
-            tree = tree[p]
-    return tree
-
-
 def resolve_refs(tree: Any, read: Callable[[str], torch.Tensor]) -> Any:
     """Replace every :class:`TensorRef` left in ``tree`` by the stored tensor, read whole."""
     if isinstance(tree, TensorRef):

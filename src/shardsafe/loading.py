@@ -39,7 +39,7 @@ from .load_result import (
     apply_factories_recording,
     get_at,
     hand_back,
-    lookup,
+    lookup_or,
     merge_common,
     replace_at,
     resolve_refs,
@@ -452,7 +452,7 @@ class _LoadJob:
             if path in self.plain_paths and st.key not in manifest.tensors
         ]
         legacy = {
-            key for path, key in absent if isinstance(lookup(self.common, path), torch.Tensor)
+            key for path, key in absent if isinstance(lookup_or(self.common, path), torch.Tensor)
         }
         self.requested = {st.key for _, st in self.split.tensors} | {
             o.unique_key for _, o in self.split.objects

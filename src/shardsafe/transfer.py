@@ -127,7 +127,8 @@ def exchange_files(
 
         Posted = tuple[list[Any], list[tuple[int, torch.Tensor, int]]]
         # two buffers per stream and way, by round parity, used again and again: a fresh one
-        # per round costs a page fault per page (a third of the time of a copy, measured)
+        # per round costs a page fault per page (32 MiB into fresh 4 MiB tensors: 11 ms here,
+        # into reused ones 1.6 ms)
         buffers: dict[tuple[bool, int, int], torch.Tensor] = {}
 
         def buffer(sending: bool, peer: int, j: int, nbytes: int) -> torch.Tensor:
