@@ -39,7 +39,7 @@ Each cycle checks (a failed check fails the cycle, with its seed):
   there (none lost that the fault did not touch); the step being saved when a process fault
   struck counts only where it committed;
 - every surviving rank of a process fault or a full disk raised an error (a save never
-  succeeds with a rank dead, stopped or out of space), within ``dead_after`` + 2 s (the bound
+  succeeds with a rank dead, stopped or out of space), within ``dead_after`` + 3 s (the bound
   ``liveness.py`` states) + ``--slack`` of the fault;
 - the restarted run saves its next step in both tiers (over any stale lease).
 
@@ -94,7 +94,8 @@ RESTART_HOSTS = ("host0", "host1", "host2")
 STEPS = 5
 PERSIST_EVERY = 2
 DEAD_AFTER = 3.0  # the least liveness.py takes (MIN_DEAD_AFTER)
-STATED_BOUND = 2.0  # liveness.py: a wait names a rank silent for dead_after within 2 s more
+STATED_BOUND = 3.0  # liveness.py: a wait names a rank silent for dead_after within 2 s more,
+# and a rank that learns the verdict from the board one beat after that
 # liveness.py: a frozen store (rank 0 hosting it through tcp://, SIGSTOPped) is named once a
 # request has gone unanswered for max(dead_after, STORE_DEAD_AFTER), within INTERVAL + 2 POLL
 FROZEN_STORE_BOUND = 10.0 + 1.0 + 0.5

@@ -312,6 +312,59 @@ def test_a_verdict_reaches_a_rank_whose_own_peers_are_alive(tmp_path: Path) -> N
         assert rec["rank_errors"] == {"2": "dead"}, rec
 
 
+def _coordinator_gone_after_naming(rank: int, world: int, base: str) -> None:
+    """Rank 3 dies. Rank 0 names it in a wait ranks 1 and 2 are not in (they left for a later
+    one that watches rank 0 alone), and then goes silent as a process that raised and exited
+    does (its heartbeat stops; its process stays, as it hosts the store)."""
+    from shardsafe.dist import get_comm
+    from shardsafe.liveness import HEARTBEATS
+
+    out = Path(base)
+    comm = get_comm()
+    comm.arrive("before", TIMEOUT, DEAD)
+    if rank == 3:
+        (out / "died").write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0:
+        _survive(rank, out, lambda: comm.arrive("the coordinator's wait", TIMEOUT, DEAD))
+        HEARTBEATS.stop()
+        deadline = time.monotonic() + BOUND
+        while time.monotonic() < deadline and not all(
+            (out / f"rank{r}.json").exists() for r in (1, 2)
+        ):
+            time.sleep(0.05)
+        return
+
+    def later_wait() -> None:  # an exchange with rank 0 that rank 0 will never serve
+        import threading
+
+        threading.Event().wait(TIMEOUT)
+
+    _survive(rank, out, lambda: comm.with_peers(later_wait, [0], "a later wait", DEAD))
+    record = json.loads((out / f"rank{rank}.json").read_text())
+    record["after_death"] = time.time() - float((out / "died").read_text())
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.timeout(240)
+def test_a_verdict_reaches_a_rank_that_left_the_wait_it_was_given_in(tmp_path: Path) -> None:
+    """The verdict board: ranks 1 and 2 wait on rank 0 alone when rank 0, having named rank 3
+    in a wait they had left, goes silent. They learn rank 3's verdict from the board at their
+    next beat, instead of naming rank 0 ``dead_after`` s after its silence began."""
+    with pytest.raises(RankFailure) as failed:
+        run_ranks(_coordinator_gone_after_naming, 4, str(tmp_path), timeout=200)
+    assert set(failed.value.errors) == {3}, failed.value.errors
+    first = json.loads((tmp_path / "rank0.json").read_text())
+    assert "rank 3 on" in first["message"], first
+    for r in (1, 2):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "DistributedError", rec
+        assert f"rank 3 on {socket.gethostname()} stopped heartbeating" in rec["message"], rec
+        assert "named by rank 0" in rec["message"] and rec["rank_errors"] == {"3": "dead"}, rec
+        # rank 0's verdict within dead_after + 2 intervals, one more beat to read the board
+        assert rec["after_death"] < DEAD + 3 + 2, rec
+
+
 def _lost_in_restore_copy(rank: int, world: int, base: str) -> None:
     out = Path(base)
     mgr = _tiered(out, rank)

@@ -120,6 +120,7 @@ class Comm:
                 stage,
                 dead_after_of(dead_after),
                 start_within_of(dead_after, timeout),
+                members=self.members(),
             )
         )
         try:
@@ -193,6 +194,7 @@ class Comm:
             start_within_of(dead_after, float("inf")),
             notify=lambda _verdict: ended.set(),
             relay=verdict_key is not None,
+            members=self.members(),
         )
         handle = beat.watch(watch)
         limit = dead_after_of(dead_after)
@@ -323,6 +325,10 @@ class Comm:
         if self.group is None:
             return group_rank
         return tdist.get_global_rank(self.group, group_rank)
+
+    def members(self) -> list[int]:
+        """The group's global ranks, by group rank."""
+        return [self.global_rank(r) for r in range(self.world_size)]
 
 
 def _group_tag(comm: Comm) -> str:

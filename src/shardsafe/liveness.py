@@ -66,10 +66,23 @@ every waiting rank raises the same :class:`~shardsafe.errors.DistributedError`. 
 * a save's commit (:mod:`shardsafe.signals`) watches this heartbeat too; while its channel is
   open every rank beats every ``min(0.5, dead_after / 4)`` s (:meth:`Heartbeat.hasten`), and a
   verdict fills the key of each rank lost (``each``) rather than one wait's key;
-* a process that finished and exited normally is awaited by nobody, hence never named.
+* a process that finished and exited normally is awaited by nobody, hence never named;
+* the verdict board: whoever names a rank first by its own look also posts the verdict (the
+  rank's global number, its counter when named, the message) as ``shardsafe/verdicts/<n>``
+  and counts it in ``shardsafe/verdicts/count``, which every beat reads in the same
+  ``multi_get`` as the counters. Every heartbeat then ends each of its waits whose group
+  holds that rank with the verdict (its key, its callback, or each awaited key of a
+  commit), as long as the rank's counter has not moved since (a frozen rank that was
+  continued is not dead). So a rank that had left the wait the verdict was given in (its part
+  of a gather did not need the dead rank) and now waits on a coordinator that raised and
+  exits names the dead rank one beat after the first verdict (within ``dead_after + 3 *
+  INTERVAL`` s of its last beat), not the coordinator ``dead_after`` s after that; a wait
+  that starts later ends at its first look. Verdicts posted before this process's heartbeat
+  started (another attempt of a job on a store that outlived it) are not read.
 
 Store load: per process and :data:`INTERVAL` (1 s), one beat and one ``multi_get`` of the
-counters it watches, whether or not anyone waits (twice that while a save is open).
+counters it watches and the board's count, whether or not anyone waits (twice that while a
+save is open); two requests more per verdict posted, and two per reader to read it.
 While a wait lasts, each waiting rank adds one request per interval (a check of the wait's
 key) and the coordinator one per rank that has not arrived yet (its arrival key; a wait
 that every rank reaches within an interval costs nothing more); a long scan beats in
@@ -140,6 +153,15 @@ def host_key(global_rank: int) -> str:
     return f"shardsafe/alive/host{global_rank}"
 
 
+BOARD_COUNT = "shardsafe/verdicts/count"
+"""How many verdicts the board holds: read in every beat's ``multi_get``."""
+
+
+def board_key(n: int) -> str:
+    """The board's ``n``-th verdict (from 1): ``{"global", "beats", "message", "by"}``."""
+    return f"shardsafe/verdicts/{n}"
+
+
 @dataclass
 class Watch:
     """One wait in progress: the key it blocks on (or, with ``done_key`` None, the callback
@@ -163,6 +185,8 @@ class Watch:
     last_log: float = field(default_factory=time.monotonic)
     named: set[int] = field(default_factory=set)
     relay: bool = False  # a verdict another rank wrote into ``done_key`` is handed to ``notify``
+    members: list[int] | None = None  # the group's global ranks (by group rank): takes the board's
+    boarded: set[int] = field(default_factory=set)  # global ranks the board's verdicts named
 
 
 class Heartbeat:
@@ -210,6 +234,10 @@ class Heartbeat:
         self._grace_until = 0.0  # no verdict before this (monotonic): see _sample
         self._last_sample = time.monotonic()
         self.client.set(host_key(global_rank), socket.gethostname())
+        # the verdict board: verdicts posted before this process beat are another attempt's
+        # (a restarted job on a store that outlived it), not this one's
+        self._board: list[dict[str, Any]] = []
+        self._board_read = int(self.client.add(BOARD_COUNT, 0))
         self._last_beat = 0.0
         self._beat()
         self._thread = threading.Thread(target=self._run, name="shardsafe-alive", daemon=True)
@@ -232,7 +260,7 @@ class Heartbeat:
                 for g in ranks
                 if g in self._observed and self._observed[g][0]
             )
-        if silent:
+        if silent or self._board:
             self._wake.set()
         return id(w)
 
@@ -356,6 +384,7 @@ class Heartbeat:
                 with self._lock:
                     watches = list(self._watches.values())
                 for w in watches:
+                    self._apply_board(w)
                     self._check(w)
             except Exception as e:  # the store is gone: every wait raises, naming it
                 self._store_failed = (time.monotonic(), f"{type(e).__name__}: {e}"[:200])
@@ -378,15 +407,15 @@ class Heartbeat:
                 client.add(beat_key(g), 0)
                 self._counted.add(g)
         values: list[int] = []
+        keys = [*(beat_key(g) for g in ranks), BOARD_COUNT]
         if self._multi:
             try:
-                values = [
-                    int(bytes(v).decode()) for v in client.multi_get([beat_key(g) for g in ranks])
-                ]
+                values = [int(bytes(v).decode()) for v in client.multi_get(keys)]
             except (NotImplementedError, AttributeError, RuntimeError):  # a store without it
                 self._multi = False  # (a lost store fails the reads below too, and says so)
         if not self._multi:
-            values = [int(client.add(beat_key(g), 0)) for g in ranks]
+            values = [int(client.add(k, 0)) for k in keys]
+        posted = values.pop()
         now = time.monotonic()
         previous = self._last_sample
         # this process could not look for a while (its own beat or loop stalled: a store that
@@ -408,6 +437,65 @@ class Heartbeat:
                 self._observed[g] = (beats, previous if stalled and seen is not None else now)
         if self._host0 is None and self._latest.get(0, (0, now))[0]:  # named if the store stops
             self._host0 = self.host(0)
+        if posted > self._board_read:
+            self._read_board(client, posted)
+
+    def _read_board(self, client: Any, posted: int) -> None:
+        """Read the verdicts posted since the last look, and the counter of each rank they
+        name (from now on with every beat): a verdict holds while that counter stays put."""
+        for n in range(self._board_read + 1, posted + 1):
+            if not client.check([board_key(n)]):  # counted, not written yet: at the next beat
+                return
+            verdict = json.loads(bytes(client.get(board_key(n))).decode())
+            g = int(verdict["global"])
+            if g != self.global_rank:
+                with self._lock:
+                    self._standing.add(g)
+                if g not in self._latest:
+                    self._latest[g] = (int(client.add(beat_key(g), 0)), time.monotonic())
+                    self._counted.add(g)
+                self._board.append(verdict)
+            self._board_read = n
+
+    def _post(self, g: int, beats: int, message: str) -> None:
+        """Put this process's verdict on global rank ``g`` on the board, for every wait of
+        every rank: one that has left the wait it was named in (its part of a gather did not
+        need ``g``) and now waits on a coordinator that raised and exits learns it at its next
+        beat, instead of naming that coordinator ``dead_after`` later."""
+        client = _Timed(self.client, self)
+        n = int(client.add(BOARD_COUNT, 1))
+        record = {"global": g, "beats": beats, "message": message, "by": self.global_rank}
+        client.set(board_key(n), json.dumps(record))
+
+    def _apply_board(self, w: Watch) -> None:
+        """End ``w`` with a verdict on the board on a rank of its group whose counter has not
+        moved since it was named (one that beat again was frozen and is back: not dead)."""
+        if w.members is None or not self._board or (w.verdict is not None and not w.each):
+            return
+        for posted in self._board:
+            g = int(posted["global"])
+            if g in w.boarded or g not in w.members:
+                continue
+            if self._latest.get(g, (None, 0.0))[0] != int(posted["beats"]):
+                continue
+            r = w.members.index(g)
+            verdict = {"rank": r, "message": f"{posted['message']} (named by rank {posted['by']})"}
+            w.boarded.add(g)
+            w.named.add(r)
+            if not w.each:
+                w.verdict = verdict
+            if w.done_key is not None:
+                _Timed(w.keys if w.keys is not None else self.client, self).compare_set(
+                    w.done_key, "", json.dumps(verdict)
+                )
+            if w.notify is not None:
+                self._pending_since = time.monotonic()
+                try:
+                    w.notify(verdict)
+                finally:
+                    self._pending_since = None
+            if not w.each:
+                return
 
     def _check(self, w: Watch) -> None:
         """Write the verdict on the first awaited rank that stopped beating into ``w.done_key``
@@ -461,11 +549,11 @@ class Heartbeat:
             name = f"rank {r}" if g == r else f"rank {r} (global rank {g})"
             why = "never started heartbeating" if beats == 0 else "stopped heartbeating"
             doing = w.doing or f"the others waited for it to reach '{w.stage}'"
-            verdict = {
-                "rank": r,
-                "message": f"{name} on {self.host(g)} {why} {now - seen[1]:.1f} s ago while "
-                f"{doing} (its process died or is frozen, or its host was lost)",
-            }
+            message = (
+                f"{name} on {self.host(g)} {why} {now - seen[1]:.1f} s ago while "
+                f"{doing} (its process died or is frozen, or its host was lost)"
+            )
+            verdict = {"rank": r, "message": message}
             w.verdict = verdict
             w.named.add(r)
             if w.done_key is not None:
@@ -476,6 +564,9 @@ class Heartbeat:
                     w.notify(verdict)
                 finally:
                     self._pending_since = None
+            if w.members is not None and g not in w.boarded:  # for the waits this one is not
+                w.boarded.add(g)
+                self._post(g, beats, message)
             if not w.each:
                 return
 

@@ -177,6 +177,7 @@ class StoreChannel:
                 doing=what,
                 keys=self.beat_store,
                 log_every=self.log_every,
+                members=self.comm.members(),
             )
         )
         keys = [key_of(r) for r in sorted(ranks)]
