@@ -26,7 +26,7 @@ endif
 VENV312 := .venv312
 STAMP312 := $(VENV312)/.installed
 MEGATRON019_SPEC ?= megatron-core==0.19.2
-MEGATRON019_TESTS := tests/test_megatron_019.py
+MEGATRON019_TESTS := tests/test_megatron_019.py tests/test_megatron_async.py
 
 venv: $(STAMP)
 

@@ -35,10 +35,12 @@ from .dist import get_comm, outcome, raise_for
 from .errors import CheckpointError, MissingKeyError, ValidationError, describe_ranks
 from .loading import StrictHandling, content_metadata_of, read_manifest
 from .loading import load as _load
+from .megatron_async import async_request
 from .reader import load_common_state_dict as _load_common_state_dict
 from .reader import load_metadata
 from .reader import load_plain_tensors as _load_plain_tensors
 from .save_plan import tensor_digest
+from .saver import async_save as _async_save
 from .saver import save as _save
 from .sharding import (
     CoordinatorObject,
@@ -131,7 +133,7 @@ def save(
     *,
     common_strategy: Any = None,
     process_group: Any = None,
-) -> None:
+) -> Any:
     """Megatron-Core's ``save``: every rank calls it; rank 0's common state is saved.
 
     Common state (and plain tensors) that differ between ranks are saved as rank 0 holds them,
@@ -139,20 +141,26 @@ def save(
     from rank 0's (after ``preprocess_common_before_consistancy_check``, which only shapes the
     comparison, as in Megatron). Sharding is always validated and the checkpoint is always
     checksummed (``validate_access_integrity``/``verify_integrity`` cannot turn that off). The
-    directory may exist if empty. ``async_sharded_save`` is refused: use
-    :func:`shardsafe.async_save`, whose handle commits by itself.
+    directory may exist if empty. With ``async_sharded_save`` the state is staged in host
+    memory and written and committed in the background, and Megatron-Core's ``AsyncRequest``
+    is returned for its ``AsyncCallsQueue`` (:mod:`shardsafe.megatron_async`): its first
+    finalize function raises the save's error, before any Megatron-LM adds. ``async_strategy``
+    is ignored (shardsafe's threads do the writing).
     """
     _no_strategy(sharded_strategy=sharded_strategy, common_strategy=common_strategy)
-    if async_sharded_save:
-        raise ValidationError(
-            "async_sharded_save=True returns Megatron's AsyncRequest, which shardsafe does not "
-            "build; call shardsafe.async_save(sd, path) instead (its handle commits by itself)"
-        )
     comm = get_comm(process_group)
     tree = adapt(sharded_state_dict)
     if comm.distributed:
         tree = _rank0_common(comm, tree, preprocess_common_before_consistancy_check)
+    if async_sharded_save:
+        return async_request(
+            lambda: _async_save(
+                tree, checkpoint_dir, process_group=process_group, content_metadata=content_metadata
+            ),
+            as_megatron_error,
+        )
     _save(tree, checkpoint_dir, process_group=process_group, content_metadata=content_metadata)
+    return None
 
 
 def _common_leaves(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:

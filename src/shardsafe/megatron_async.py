@@ -1,0 +1,102 @@
+"""Megatron-Core's ``AsyncRequest`` for a shardsafe async save (``--async-save`` in Megatron-LM).
+
+Megatron-Core runs a request's ``async_fn`` in another process: a child forked for each save
+(``TemporalAsyncCaller``) or one persistent worker started with ``spawn``
+(``PersistentAsyncCaller``, which receives the request pickled, ``finalize_fns`` emptied).
+When every rank's ``async_fn`` has returned (an all-reduce of "still running" flags), each
+rank runs the request's ``finalize_fns`` in the training process; Megatron-LM appends its own
+(the tracker file naming the newest iteration) after the ones the request came with.
+
+A shardsafe async save writes and commits in threads of the training process, which no other
+process can wait on. So the request is built around the save's handle:
+
+* ``async_fn`` (:func:`await_marker`) waits until a file exists in the host's temporary
+  directory, which a forked child and a spawned worker both see. The file is made empty under
+  another name before the save starts, and the handle's done-callback renames it into place
+  when the save is done, committed or failed (a rename needs no space, so the signal cannot
+  fail for a full disk). Its path and the training process's id are the only arguments, so the
+  request pickles. ``async_fn`` also returns once the training process is gone (the waiting
+  process, its child, was re-parented): no waiting process outlives the job;
+* the first of ``finalize_fns`` is the handle's ``result()``: it raises the save's error (the
+  same on every rank, also Megatron's ``CheckpointingException``) before any finalize function
+  Megatron-LM added runs, so no tracker file ever names an iteration that did not commit; it
+  removes the marker either way.
+
+``AsyncRequest.execute_sync()`` (Megatron's synchronous fallback) works too: ``async_fn``
+waits in the training process while the save's threads finish.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError, ValidationError
+from .saver import AsyncSaveHandle
+
+POLL = 0.02
+"""Seconds between two looks of ``async_fn`` for the marker."""
+
+
+def await_marker(marker: str, trainer_pid: int) -> None:
+    """Return once ``marker`` exists, or once the training process ``trainer_pid`` is gone
+    (this process, its child, was re-parented; in the training process itself, never)."""
+    while not os.path.exists(marker):
+        if os.getpid() != trainer_pid and os.getppid() != trainer_pid:
+            return
+        time.sleep(POLL)
+
+
+def _finalize(
+    handle: AsyncSaveHandle, marker: Path, as_theirs: Callable[[CheckpointError], Exception]
+) -> None:
+    try:
+        handle.result()
+    except CheckpointError as e:
+        raise as_theirs(e).with_traceback(e.__traceback__) from e.__cause__
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def async_request(
+    start: Callable[[], AsyncSaveHandle], as_theirs: Callable[[CheckpointError], Exception]
+) -> Any:
+    """Megatron-Core's ``AsyncRequest`` for the save ``start()`` begins: its ``async_fn`` ends
+    when the save is done, its first finalize function raises the save's error. Nothing is
+    saved when the request cannot be made (no megatron-core, no temporary directory).
+    ``as_theirs`` makes the save's error also Megatron's exception class."""
+    try:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    except Exception as e:
+        raise ValidationError(
+            "async_sharded_save=True returns Megatron-Core's AsyncRequest, and megatron-core is "
+            f"not importable here ({type(e).__name__}: {e}); nothing was saved. Install "
+            "megatron-core, or call shardsafe.async_save (its handle commits by itself)"
+        ) from None
+    marker = Path(tempfile.gettempdir()) / f"shardsafe-async-{os.getpid()}-{uuid.uuid4().hex}"
+    pending = marker.with_name(marker.name + ".pending")
+    try:  # made now, renamed when done: a rename needs no space, so the signal cannot fail
+        pending.touch(exist_ok=False)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot create {pending}, which is to tell Megatron's async worker when the save "
+            f"is done ({e}); nothing was saved. Free or fix the temporary directory "
+            "(TMPDIR), or save synchronously"
+        ) from e
+    try:
+        handle = start()
+    except BaseException:
+        pending.unlink(missing_ok=True)
+        raise
+    handle.add_done_callback(lambda _: os.replace(pending, marker))
+    return AsyncRequest(
+        await_marker,
+        (str(marker), os.getpid()),
+        [functools.partial(_finalize, handle, marker, as_theirs)],
+    )
