@@ -67,40 +67,50 @@ def default_store() -> Any:
 
 @dataclass
 class StoreClients:
-    """Two connections to the store: one for the blocking waits of the thread that commits,
-    one for the heartbeat thread's looks at this save's keys (and its verdicts). A store
-    client serialises its requests, so a thread blocked in ``wait`` would hold up the
-    heartbeat thread on the same client. Made once per :class:`Saver`
-    and reused by its saves (connecting anew for every save costs seconds at scale)."""
+    """The commit protocol's store clients: ``wait``, a connection of its own for the blocking
+    waits of the thread that commits (a store client serialises its requests: a thread blocked
+    in ``wait`` would hold up any other on the same client); ``beat``, the process heartbeat's
+    connection (:mod:`shardsafe.liveness`), for its looks at this save's keys and its verdicts,
+    which only the heartbeat thread makes and which never block. Made once per :class:`Saver`
+    and reused by its saves (connecting anew for every save costs seconds at scale): a process
+    holds its heartbeat's connection and one per Saver."""
 
     wait: Any
     beat: Any
     blocking: bool
 
 
-def connect(store: Any | None = None) -> StoreClients:
-    """Fresh clients of the TCP store behind ``store`` (the default group's by default); for
-    another kind of store, the store itself, waited on by polling."""
-    shared = store if store is not None else default_store()
+def connect() -> StoreClients:
+    """A fresh client of the default group's store (a TCP store, or one behind prefixes) for
+    the waits, and the process heartbeat's for the looks; for another kind of store, the store
+    itself, waited on by polling."""
+    shared = default_store()
     tcp = shared
     while not isinstance(tcp, tdist.TCPStore):
         tcp = getattr(tcp, "underlying_store", None)
         if tcp is None:
             return StoreClients(shared, shared, False)
+    heartbeat = HEARTBEATS.ensure(shared, tdist.get_rank(), tdist.get_world_size())
+    if heartbeat.client is shared:  # a store that cannot be cloned: two fresh connections
+        return StoreClients(_fresh(tcp), _fresh(tcp), True)
+    return StoreClients(
+        tdist.PrefixStore("shardsafe", shared.clone()),
+        tdist.PrefixStore("shardsafe", heartbeat.client),
+        True,
+    )
 
-    def client() -> Any:
-        return tdist.PrefixStore(
-            "shardsafe",
-            tdist.TCPStore(
-                tcp.host,
-                tcp.port,
-                is_master=False,
-                timeout=timedelta(seconds=60),
-                wait_for_workers=False,
-            ),
-        )
 
-    return StoreClients(client(), client(), True)
+def _fresh(tcp: Any) -> Any:
+    return tdist.PrefixStore(
+        "shardsafe",
+        tdist.TCPStore(
+            tcp.host,
+            tcp.port,
+            is_master=False,
+            timeout=timedelta(seconds=60),
+            wait_for_workers=False,
+        ),
+    )
 
 
 class StoreChannel:
