@@ -340,7 +340,14 @@ def _coordinator_gone_after_naming(rank: int, world: int, base: str) -> None:
 
         threading.Event().wait(TIMEOUT)
 
-    _survive(rank, out, lambda: comm.with_peers(later_wait, [0], "a later wait", DEAD))
+    if rank == 1:
+        _survive(rank, out, lambda: comm.with_peers(later_wait, [0], "a later wait", DEAD))
+    else:  # a save's commit outcome, which rank 0 will never publish
+        from shardsafe.signals import StoreChannel
+
+        channel = StoreChannel(comm, "test-outcome", dead_after=DEAD)
+        _survive(rank, out, channel.await_status)
+        channel.stop()
     record = json.loads((out / f"rank{rank}.json").read_text())
     record["after_death"] = time.time() - float((out / "died").read_text())
     (out / f"rank{rank}.json").write_text(json.dumps(record))
@@ -348,9 +355,10 @@ def _coordinator_gone_after_naming(rank: int, world: int, base: str) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_verdict_reaches_a_rank_that_left_the_wait_it_was_given_in(tmp_path: Path) -> None:
-    """The verdict board: ranks 1 and 2 wait on rank 0 alone when rank 0, having named rank 3
-    in a wait they had left, goes silent. They learn rank 3's verdict from the board at their
-    next beat, instead of naming rank 0 ``dead_after`` s after its silence began."""
+    """The verdict board: ranks 1 and 2 wait on rank 0 alone (1 in an exchange, 2 for a save's
+    commit outcome) when rank 0, having named rank 3 in a wait they had left, goes silent. They
+    learn rank 3's verdict from the board at their next beat, instead of naming rank 0
+    ``dead_after`` s after its silence began."""
     with pytest.raises(RankFailure) as failed:
         run_ranks(_coordinator_gone_after_naming, 4, str(tmp_path), timeout=200)
     assert set(failed.value.errors) == {3}, failed.value.errors

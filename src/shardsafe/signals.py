@@ -19,6 +19,11 @@ of those it still waits for:
   that never beat gets ``start_within`` seconds: it may still be importing);
 * a rank that is slow but heartbeating is waited for, and the wait is logged every
   ``log_every`` seconds;
+* a verdict another wait posted on the board (:mod:`shardsafe.liveness`) about a rank of this
+  save ends these waits too, within a beat: the coordinator records it as that rank's error if
+  its record has not come, and a rank awaiting the outcome raises it (naming that rank, and
+  saying that whether the save committed only the coordinator, and a restore, can tell: its
+  record may have come first);
 * a store that stops answering (the process hosting it frozen) fails every rank's post, wait
   or publish within ``dead_after`` + ``interval`` s, naming the store (each runs in a thread
   of its own: :meth:`~shardsafe.liveness.Heartbeat.call`).
@@ -170,7 +175,8 @@ class StoreChannel:
 
         def dead(verdict: dict[str, Any]) -> None:
             key = key_of(int(verdict["rank"]))
-            self.beat_store.compare_set(key, "", json.dumps({"dead": verdict["message"]}))
+            record = {"dead": verdict["message"], "rank": int(verdict["rank"])}
+            self.beat_store.compare_set(key, "", json.dumps(record))
 
         handle = self.heartbeat.watch(
             Watch(
@@ -242,8 +248,19 @@ class StoreChannel:
             {0}, "committing", lambda r: self._key("status"), "the coordinator's commit outcome"
         )[0]
         if "dead" in status:
+            lost = int(status.get("rank", 0))
+            if lost == 0:
+                raise DistributedError(
+                    f"rank {self.comm.rank}: no commit outcome from the coordinator: {status['dead']}",
+                    {0: "dead"},
+                )
+            # a verdict from the board (another wait named a rank of this save): the save
+            # cannot have committed without it unless its record came first, which only the
+            # coordinator knows
             raise DistributedError(
-                f"rank {self.comm.rank}: no commit outcome from the coordinator: {status['dead']}"
+                f"rank {self.comm.rank}: {status['dead']}; the coordinator's commit outcome did "
+                "not come before this verdict (restore tells whether the save committed)",
+                {lost: "dead"},
             )
         return dict(status)
 
