@@ -326,7 +326,13 @@ def _coordinator_gone_after_naming(rank: int, world: int, base: str) -> None:
         (out / "died").write_text(str(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
+        from shardsafe.signals import StoreChannel
+
+        channel = StoreChannel(comm, "test-outcome", dead_after=DEAD)
         _survive(rank, out, lambda: comm.arrive("the coordinator's wait", TIMEOUT, DEAD))
+        time.sleep(3.0)  # three beats: the others' heartbeats have read the board meanwhile
+        channel.publish({"outcome": "the coordinator's"})
+        channel.stop()
         HEARTBEATS.stop()
         deadline = time.monotonic() + BOUND
         while time.monotonic() < deadline and not all(
@@ -342,11 +348,15 @@ def _coordinator_gone_after_naming(rank: int, world: int, base: str) -> None:
 
     if rank == 1:
         _survive(rank, out, lambda: comm.with_peers(later_wait, [0], "a later wait", DEAD))
-    else:  # a save's commit outcome, which rank 0 will never publish
+    else:  # a save's commit outcome, which rank 0 publishes after it named rank 3
         from shardsafe.signals import StoreChannel
 
         channel = StoreChannel(comm, "test-outcome", dead_after=DEAD)
-        _survive(rank, out, channel.await_status)
+
+        def outcome() -> None:
+            (out / "outcome2.json").write_text(json.dumps(channel.await_status()))
+
+        _survive(rank, out, outcome)
         channel.stop()
     record = json.loads((out / f"rank{rank}.json").read_text())
     record["after_death"] = time.time() - float((out / "died").read_text())
@@ -355,22 +365,25 @@ def _coordinator_gone_after_naming(rank: int, world: int, base: str) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_verdict_reaches_a_rank_that_left_the_wait_it_was_given_in(tmp_path: Path) -> None:
-    """The verdict board: ranks 1 and 2 wait on rank 0 alone (1 in an exchange, 2 for a save's
-    commit outcome) when rank 0, having named rank 3 in a wait they had left, goes silent. They
-    learn rank 3's verdict from the board at their next beat, instead of naming rank 0
-    ``dead_after`` s after its silence began."""
+    """The verdict board: rank 1 waits on rank 0 alone, in an exchange, when rank 0, having
+    named rank 3 in a wait rank 1 had left, goes silent. Rank 1 learns rank 3's verdict from
+    the board at its next beat, instead of naming rank 0 ``dead_after`` s after its silence
+    began. Rank 2 waits for a save's commit outcome, which is the coordinator's to decide: the
+    board's verdict on rank 3 does not end that wait, and rank 2 gets what rank 0 publishes."""
     with pytest.raises(RankFailure) as failed:
         run_ranks(_coordinator_gone_after_naming, 4, str(tmp_path), timeout=200)
     assert set(failed.value.errors) == {3}, failed.value.errors
     first = json.loads((tmp_path / "rank0.json").read_text())
     assert "rank 3 on" in first["message"], first
-    for r in (1, 2):
-        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert rec["type"] == "DistributedError", rec
-        assert f"rank 3 on {socket.gethostname()} stopped heartbeating" in rec["message"], rec
-        assert "named by rank 0" in rec["message"] and rec["rank_errors"] == {"3": "dead"}, rec
-        # rank 0's verdict within dead_after + 2 intervals, one more beat to read the board
-        assert rec["after_death"] < DEAD + 3 + 2, rec
+    rec = json.loads((tmp_path / "rank1.json").read_text())
+    assert rec["type"] == "DistributedError", rec
+    assert f"rank 3 on {socket.gethostname()} stopped heartbeating" in rec["message"], rec
+    assert "named by rank 0" in rec["message"] and rec["rank_errors"] == {"3": "dead"}, rec
+    # rank 0's verdict within dead_after + 2 intervals, one more beat to read the board
+    assert rec["after_death"] < DEAD + 3 + 2, rec
+    rec2 = json.loads((tmp_path / "rank2.json").read_text())
+    assert rec2["type"] is None, rec2
+    assert json.loads((tmp_path / "outcome2.json").read_text()) == {"outcome": "the coordinator's"}
 
 
 def _lost_in_restore_copy(rank: int, world: int, base: str) -> None:

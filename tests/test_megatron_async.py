@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,20 @@ def test_a_waiting_child_ends_with_the_training_process(tmp_path: Path) -> None:
         time.sleep(0.05)
     os.kill(pid, 9)
     raise AssertionError("the waiting child outlived the training process")
+
+
+def test_a_marker_that_cannot_come_is_not_awaited(tmp_path: Path) -> None:
+    """Neither the marker nor its pending file is there (a cleaner emptied the temporary
+    directory while the save ran, so the done-callback's rename failed): ``async_fn`` returns
+    (the finalize function then waits for the save itself) instead of waiting forever."""
+    from shardsafe.megatron_async import await_marker
+
+    done = threading.Event()
+    waiter = threading.Thread(
+        target=lambda: (await_marker(str(tmp_path / "gone"), os.getpid()), done.set()), daemon=True
+    )
+    waiter.start()
+    assert done.wait(10), "async_fn waits for a marker that can no longer come"
 
 
 def _running(pid: int) -> bool:

@@ -71,9 +71,9 @@ every waiting rank raises the same :class:`~shardsafe.errors.DistributedError`. 
   rank's global number, its counter when named, the message) as ``shardsafe/verdicts/<n>``
   and counts it in ``shardsafe/verdicts/count``, which every beat reads in the same
   ``multi_get`` as the counters. Every heartbeat then ends each of its waits whose group
-  holds that rank with the verdict (its key, its callback, or each awaited key of a
-  commit), as long as the rank's counter has not moved since (a frozen rank that was
-  continued is not dead). So a rank that had left the wait the verdict was given in (its part
+  holds that rank with the verdict (its key, or its callback; a commit's wait only if it
+  awaits that rank, as its outcome is the coordinator's to decide), as long as the rank's
+  counter has not moved since (a frozen rank that was continued is not dead). So a rank that had left the wait the verdict was given in (its part
   of a gather did not need the dead rank) and now waits on a coordinator that raised and
   exits names the dead rank one beat after the first verdict (within ``dead_after + 3 *
   INTERVAL`` s of its last beat), not the coordinator ``dead_after`` s after that; a wait
@@ -479,23 +479,34 @@ class Heartbeat:
             if self._latest.get(g, (None, 0.0))[0] != int(posted["beats"]):
                 continue
             r = w.members.index(g)
+            if w.each and r not in w.ranks:
+                # a commit's wait: its outcome is the coordinator's to decide (a rank lost
+                # after posting its record does not fail the save), so only an awaited rank's
+                # key takes the verdict; a verdict on another rank would make this rank abort
+                # a save the coordinator commits
+                continue
             verdict = {"rank": r, "message": f"{posted['message']} (named by rank {posted['by']})"}
             w.boarded.add(g)
             w.named.add(r)
             if not w.each:
                 w.verdict = verdict
-            if w.done_key is not None:
-                _Timed(w.keys if w.keys is not None else self.client, self).compare_set(
-                    w.done_key, "", json.dumps(verdict)
-                )
-            if w.notify is not None:
-                self._pending_since = time.monotonic()
-                try:
-                    w.notify(verdict)
-                finally:
-                    self._pending_since = None
+            self._deliver(w, verdict)
             if not w.each:
                 return
+
+    def _deliver(self, w: Watch, verdict: dict[str, Any]) -> None:
+        """End ``w``'s wait with ``verdict``: into its key (the first verdict wins for every
+        rank blocked on it), and to its callback (which may write to the store: timed as a
+        request)."""
+        if w.done_key is not None:
+            keys = _Timed(w.keys if w.keys is not None else self.client, self)
+            keys.compare_set(w.done_key, "", json.dumps(verdict))
+        if w.notify is not None:
+            self._pending_since = time.monotonic()
+            try:
+                w.notify(verdict)
+            finally:
+                self._pending_since = None
 
     def _check(self, w: Watch) -> None:
         """Write the verdict on the first awaited rank that stopped beating into ``w.done_key``
@@ -556,14 +567,7 @@ class Heartbeat:
             verdict = {"rank": r, "message": message}
             w.verdict = verdict
             w.named.add(r)
-            if w.done_key is not None:
-                keys.compare_set(w.done_key, "", json.dumps(verdict))
-            if w.notify is not None:  # it may write to the store: timed as a request
-                self._pending_since = time.monotonic()
-                try:
-                    w.notify(verdict)
-                finally:
-                    self._pending_since = None
+            self._deliver(w, verdict)
             if w.members is not None and g not in w.boarded:  # for the waits this one is not
                 w.boarded.add(g)
                 self._post(g, beats, message)

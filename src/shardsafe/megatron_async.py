@@ -16,7 +16,9 @@ process can wait on. So the request is built around the save's handle:
   when the save is done, committed or failed (a rename needs no space, so the signal cannot
   fail for a full disk). Its path and the training process's id are the only arguments, so the
   request pickles. ``async_fn`` also returns once the training process is gone (the waiting
-  process, its child, was re-parented): no waiting process outlives the job;
+  process, its child, was re-parented: no waiting process outlives the job), or once neither
+  file is there (a cleaner emptied the temporary directory: the signal cannot come, and the
+  finalize function waits for the save itself);
 * the first of ``finalize_fns`` is the handle's ``result()``: it raises the save's error (the
   same on every rank, also Megatron's ``CheckpointingException``) before any finalize function
   Megatron-LM added runs, so no tracker file ever names an iteration that did not commit; it
@@ -44,24 +46,33 @@ POLL = 0.02
 """Seconds between two looks of ``async_fn`` for the marker."""
 
 
+def _pending(marker: str) -> str:
+    return marker + ".pending"
+
+
 def await_marker(marker: str, trainer_pid: int) -> None:
-    """Return once ``marker`` exists, or once the training process ``trainer_pid`` is gone
-    (this process, its child, was re-parented; in the training process itself, never)."""
+    """Return once ``marker`` exists, or once it cannot come: its pending file is gone too
+    (something cleared the temporary directory; the finalize function still waits for the
+    save and raises its error), or the training process ``trainer_pid`` is gone (this
+    process, its child, was re-parented)."""
     while not os.path.exists(marker):
+        if not os.path.exists(_pending(marker)) and not os.path.exists(marker):
+            return  # renamed in between, or removed: either way nothing more will come
         if os.getpid() != trainer_pid and os.getppid() != trainer_pid:
             return
         time.sleep(POLL)
 
 
 def _finalize(
-    handle: AsyncSaveHandle, marker: Path, as_theirs: Callable[[CheckpointError], Exception]
+    handle: AsyncSaveHandle, marker: str, as_theirs: Callable[[CheckpointError], Exception]
 ) -> None:
     try:
         handle.result()
     except CheckpointError as e:
         raise as_theirs(e).with_traceback(e.__traceback__) from e.__cause__
     finally:
-        marker.unlink(missing_ok=True)
+        for path in (marker, _pending(marker)):
+            Path(path).unlink(missing_ok=True)
 
 
 def async_request(
@@ -79,8 +90,10 @@ def async_request(
             f"not importable here ({type(e).__name__}: {e}); nothing was saved. Install "
             "megatron-core, or call shardsafe.async_save (its handle commits by itself)"
         ) from None
-    marker = Path(tempfile.gettempdir()) / f"shardsafe-async-{os.getpid()}-{uuid.uuid4().hex}"
-    pending = marker.with_name(marker.name + ".pending")
+    marker = os.path.join(
+        tempfile.gettempdir(), f"shardsafe-async-{os.getpid()}-{uuid.uuid4().hex}"
+    )
+    pending = Path(_pending(marker))
     try:  # made now, renamed when done: a rename needs no space, so the signal cannot fail
         pending.touch(exist_ok=False)
     except OSError as e:
@@ -97,6 +110,6 @@ def async_request(
     handle.add_done_callback(lambda _: os.replace(pending, marker))
     return AsyncRequest(
         await_marker,
-        (str(marker), os.getpid()),
+        (marker, os.getpid()),
         [functools.partial(_finalize, handle, marker, as_theirs)],
     )

@@ -19,11 +19,11 @@ of those it still waits for:
   that never beat gets ``start_within`` seconds: it may still be importing);
 * a rank that is slow but heartbeating is waited for, and the wait is logged every
   ``log_every`` seconds;
-* a verdict another wait posted on the board (:mod:`shardsafe.liveness`) about a rank of this
-  save ends these waits too, within a beat: the coordinator records it as that rank's error if
-  its record has not come, and a rank awaiting the outcome raises it (naming that rank, and
-  saying that whether the save committed only the coordinator, and a restore, can tell: its
-  record may have come first);
+* a verdict another wait posted on the board (:mod:`shardsafe.liveness`) ends these waits
+  only for a rank they await: the coordinator records it as that rank's error if its record
+  has not come; a rank awaiting the outcome takes only a verdict on the coordinator. A verdict
+  on another rank must not end it: the coordinator may commit without that rank (its record
+  came first), and a place whose leader gave up would then not publish a committed step;
 * a store that stops answering (the process hosting it frozen) fails every rank's post, wait
   or publish within ``dead_after`` + ``interval`` s, naming the store (each runs in a thread
   of its own: :meth:`~shardsafe.liveness.Heartbeat.call`).
