@@ -88,16 +88,17 @@ key) and the coordinator one per rank that has not arrived yet (its arrival key;
 that every rank reaches within an interval costs nothing more); a long scan beats in
 between, so the coordinator is never silent itself. Measured with
 ``benchmarks/bench_liveness.py`` (a TCPStore server in its own process, client processes
-running this heartbeat and :meth:`~shardsafe.dist.Comm.arrive`'s wait; 2-core x86_64 VM
-shared with other jobs, load average 6 to 10): 64 ranks idle 123 requests/s and 0.75 % of
-a core on the server, every rank waiting 192/s and 0.90 %; 128 ranks 256/s, 1.45 % and
-381/s, 1.55 %. Reading the counters every beat doubled the idle requests and tripled the
-server's idle CPU (the same run of the earlier protocol, one beat a second and reads only
-while waiting: 63/s, 0.25 % at 64 ranks); waiting costs the same. At 40 to 60 µs of server
-CPU a request (the coordinator's ``multi_get`` reads every rank's counter), 4,096 ranks would
-make 8,192 requests/s idle (about 40 % of a core) and 12,300/s while all wait (about 60 %), a
-linear extrapolation: the 8,192 connections such a server holds (two per process) were not
-measured, and the coordinator's scan of 4,095 absent ranks is 4,095 round trips from one
+running this heartbeat, the board's count included, and :meth:`~shardsafe.dist.Comm.arrive`'s
+wait; 2-core x86_64 VM, otherwise idle): 64 ranks idle 128 requests/s and 0.45 % of a core
+on the server, every rank waiting 192/s and 0.50 %; 128 ranks 256/s, 0.85 % and 384/s,
+1.05 %. The same rates as before the board (its count rides in the beat's ``multi_get``).
+Reading the counters every beat doubled the idle requests and tripled the server's idle CPU
+(the earlier protocol, one beat a second and reads only while waiting: 63/s at 64 ranks).
+At 25 to 35 µs of server CPU a request here (40 to 60 µs in an earlier run under a load
+average of 6 to 10), 4,096 ranks would make 8,192 requests/s idle (about 23 % of a core, 40 %
+at the loaded figure) and 12,300/s while all wait (about 35 %, 60 %), a linear extrapolation:
+the 8,192 connections such a server holds (two per process) were not measured, and the
+coordinator's scan of 4,095 absent ranks is 4,095 round trips from one
 thread (about 0.4 s at 100 µs each).
 """
 
