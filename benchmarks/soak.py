@@ -567,6 +567,12 @@ def _rank_main(
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)
+    # a script's rank ends through the interpreter's exit, which stops the heartbeat and marks
+    # the rank exited (shardsafe.liveness.EXITED); this forked one ends in os._exit, which runs
+    # no exit handler, so it does that step itself
+    from shardsafe.liveness import HEARTBEATS
+
+    HEARTBEATS.stop()
     logging.shutdown()
     os._exit(0)
 

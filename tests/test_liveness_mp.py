@@ -29,6 +29,7 @@ WORLD = 3
 DEAD = 4.0  # dead_after of these tests
 TIMEOUT = 600.0  # the operations' own timeout, which must not be what ends the wait
 BOUND = 60.0  # a survivor's error comes well within this
+LONG_DEAD = 30.0  # a silence this long is not what names a rank that exited
 
 
 def _state(rank: int, world: int) -> dict[str, Any]:
@@ -91,6 +92,18 @@ def _lost_before_load(rank: int, world: int, base: str) -> None:
     )
 
 
+def _raised_between_saves(rank: int, world: int, base: str) -> None:
+    """Rank 2 raises (its training step failed) right after a save; its process ends the way a
+    script does: ``finally: destroy_process_group()`` (the harness's), then the interpreter's
+    exit."""
+    out = Path(base)
+    saver = shardsafe.Saver(timeout=TIMEOUT, dead_after=LONG_DEAD)
+    saver.save(_state(rank, world), out / "step1")
+    if rank == 2:
+        raise RuntimeError("rank 2's training step failed")
+    _survive(rank, out, lambda: saver.save(_state(rank, world), out / "step2"))
+
+
 def _slow_between_saves(rank: int, world: int, base: str) -> float:
     out = Path(base)
     saver = shardsafe.Saver(timeout=TIMEOUT, dead_after=DEAD)
@@ -140,6 +153,24 @@ def test_slow_but_alive_rank_is_waited_for(tmp_path: Path) -> None:
     seconds = run_ranks(_slow_between_saves, WORLD, str(tmp_path), timeout=150)
     assert min(seconds[:2]) >= DEAD  # ranks 0 and 1 did wait for rank 2 past dead_after
     assert shardsafe.CheckpointReader(tmp_path / "step2").verify().ok
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_that_raised_and_exited_is_named_at_once(tmp_path: Path) -> None:
+    """Its exit marks its heartbeat: the survivors' next wait names it within a beat or two,
+    not after ``dead_after`` (30 s here) of silence."""
+    with pytest.raises(RankFailure) as failed:  # spawned: each rank ends as a script does,
+        # through the interpreter's exit (a forked child's os._exit runs no exit handler)
+        run_ranks(_raised_between_saves, WORLD, str(tmp_path), timeout=150, start_method="spawn")
+    assert set(failed.value.errors) == {2}, failed.value.errors
+    for r in (0, 1):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] == "DistributedError", rec
+        assert f"rank 2 on {socket.gethostname()} exited" in rec["message"], rec
+        assert "'save planning'" in rec["message"], rec
+        assert rec["rank_errors"] == {"2": "dead"}, rec
+        assert rec["seconds"] < LONG_DEAD / 2, rec
+    assert not (tmp_path / "step2").exists()
 
 
 def _lost_before_restore(rank: int, world: int, base: str) -> None:

@@ -121,6 +121,7 @@ class Comm:
                 dead_after_of(dead_after),
                 start_within_of(dead_after, timeout),
                 members=self.members(),
+                exits=True,  # a rank that has not arrived and exited never will
             )
         )
         try:
@@ -204,6 +205,7 @@ class Comm:
                 if (lost := beat.lost_error(self.rank, f"in {stage}", limit)) is not None:
                     break
             if lost is None and watch.verdict is None and "error" in box:  # a connection closed
+                watch.exits = True  # the exchange failed: a peer that exited is the one
                 beat.look_now()
                 grace = time.monotonic() + limit + 4 * INTERVAL
                 while watch.verdict is None and time.monotonic() < grace:

@@ -67,6 +67,17 @@ every waiting rank raises the same :class:`~shardsafe.errors.DistributedError`. 
   open every rank beats every ``min(0.5, dead_after / 4)`` s (:meth:`Heartbeat.hasten`), and a
   verdict fills the key of each rank lost (``each``) rather than one wait's key;
 * a process that finished and exited normally is awaited by nobody, hence never named;
+* a process that exits through the interpreter's exit (an uncaught exception, ``sys.exit``;
+  under ``torchrun``, ``mp.spawn``, ``srun``: not a forked child's ``os._exit``, nor a
+  SIGKILL) or whose process group is destroyed first adds :data:`EXITED` to its counter as
+  its heartbeat's last request. A watcher that saw the counter below it and now sees it at or
+  above names the rank at its next look, without ``dead_after``, in the waits that can tell a
+  rank that did its part from one that did not: an arrival (the rank has not arrived) and a
+  save's commit (its record, or the coordinator's outcome, is not in). An exchange or a
+  collective does not (a peer may finish its part and exit before this rank returns) unless
+  it failed: gloo saw the peer's connection close. A counter already marked at a watcher's
+  first look is an earlier process's (another attempt on a store that outlived it), and the
+  rank's next process takes the mark off as it starts;
 * the verdict board: whoever names a rank first by its own look also posts the verdict (the
   rank's global number, its counter when named, the message) as ``shardsafe/verdicts/<n>``
   and counts it in ``shardsafe/verdicts/count``, which every beat reads in the same
@@ -139,6 +150,12 @@ beat first seen after it counts from the look before, under :data:`STALL_GRACE`.
 after a shorter gap count from when they were seen, at most this late (the looks ran up to
 3 s apart at times on a loaded two-core machine, under the earlier 3 s threshold, and a death
 during such a gap was named 3 s late)."""
+EXITED = 1 << 40
+"""Added to a process's beat counter when it exits through the interpreter's exit (an
+uncaught exception included; not a SIGKILL, nor a forked child's ``os._exit``): a watcher that
+saw the counter below this and now sees it at or above knows the process ended, and a wait
+that can tell its ranks' arrivals (:attr:`Watch.exits`) names it at its next look instead of
+``dead_after`` later. A new process of the same rank takes it off again as it starts."""
 STORE_DEAD_AFTER = 10.0
 """A store request unanswered this long (or ``dead_after``, if longer) counts as a frozen
 store. More than a rank's ``dead_after`` floor: a store that is alive may hold every request
@@ -188,6 +205,10 @@ class Watch:
     relay: bool = False  # a verdict another rank wrote into ``done_key`` is handed to ``notify``
     members: list[int] | None = None  # the group's global ranks (by group rank): takes the board's
     boarded: set[int] = field(default_factory=set)  # global ranks the board's verdicts named
+    # an awaited rank whose process exited is named at once: only where a rank still in
+    # ``ranks`` (not arrived) cannot have done its part (an arrival, a commit's records; not
+    # a collective or an exchange, which a peer may finish and leave before this one returns)
+    exits: bool = False
 
 
 class Heartbeat:
@@ -217,6 +238,9 @@ class Heartbeat:
             near = {0, (global_rank - 1) % world_size, (global_rank + 1) % world_size}
             self._standing = near - {global_rank}
         self._latest: dict[int, tuple[int, float]] = {}  # rank -> (counter, when read): this beat's
+        # global ranks seen beating and then exiting (counter crossed EXITED while watched): a
+        # counter at or above it at the first look is an earlier process's, not news
+        self._exited: set[int] = set()
         self._counted: set[int] = set()  # ranks whose counter key exists (a read cannot block)
         self._multi = True  # the store answers ``multi_get`` (else one read per rank)
         self._host0: str | None = socket.gethostname() if global_rank == 0 else None
@@ -235,6 +259,11 @@ class Heartbeat:
         self._grace_until = 0.0  # no verdict before this (monotonic): see _sample
         self._last_sample = time.monotonic()
         self.client.set(host_key(global_rank), socket.gethostname())
+        # an earlier process of this rank that exited (another attempt on a store that outlived
+        # it) left EXITED on the counter: this one is not exited
+        mine = int(self.client.add(beat_key(global_rank), 0))
+        if mine >= EXITED:
+            self.client.add(beat_key(global_rank), -(mine - mine % EXITED))
         # the verdict board: verdicts posted before this process beat are another attempt's
         # (a restarted job on a store that outlived it), not this one's
         self._board: list[dict[str, Any]] = []
@@ -368,16 +397,25 @@ class Heartbeat:
 
     def stop(self, timeout: float) -> None:
         """End the heartbeat thread (at the interpreter's exit), waiting up to ``timeout`` s
-        for a store request of it in flight."""
+        for its store requests in flight: its last one marks this process exited."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+
+    def _mark_exited(self) -> None:
+        """Add :data:`EXITED` to this process's counter: it takes no part in the job any more
+        (the interpreter exits, or the process group was destroyed)."""
+        try:
+            _Timed(self.client, self).add(beat_key(self.global_rank), EXITED)
+        except Exception as e:  # the store went first: the others name the silence instead
+            log.debug("rank %d: could not mark the exit: %r", self.global_rank, e)
 
     def _run(self) -> None:
         while True:
             self._wake.wait(self.interval())
             self._wake.clear()
             if self._stopping or self._store() is None:  # exiting, or the group was destroyed
+                self._mark_exited()
                 return
             try:
                 self._beat()
@@ -431,6 +469,7 @@ class Heartbeat:
         for g, beats in zip(ranks, values, strict=True):
             self._latest[g] = (beats, now)
             seen = self._observed.get(g)
+            self._note_exit(g, beats, seen)
             if beats and (seen is None or seen[0] != beats):
                 # a beat seen after a stall came at some moment of it: counted from the look
                 # before, so that a rank that died during the stall is named once the grace
@@ -551,6 +590,22 @@ class Heartbeat:
                 now = time.monotonic()
                 self._counted.add(g)
             seen = self._observed.get(g)
+            self._note_exit(g, beats, seen)
+            if w.exits and g in self._exited:
+                self._observed[g] = (beats, seen[1] if seen is not None else now)
+                name = f"rank {r}" if g == r else f"rank {r} (global rank {g})"
+                doing = w.doing or f"the others waited for it to reach '{w.stage}'"
+                self._name(
+                    w,
+                    r,
+                    g,
+                    beats,
+                    f"{name} on {self.host(g)} exited (its process ended, by an exception or "
+                    f"a normal exit, without taking its part) while {doing}",
+                )
+                if not w.each:
+                    return
+                continue
             if seen is None or seen[0] != beats:
                 self._observed[g] = (beats, now)
                 continue
@@ -565,15 +620,28 @@ class Heartbeat:
                 f"{name} on {self.host(g)} {why} {now - seen[1]:.1f} s ago while "
                 f"{doing} (its process died or is frozen, or its host was lost)"
             )
-            verdict = {"rank": r, "message": message}
-            w.verdict = verdict
-            w.named.add(r)
-            self._deliver(w, verdict)
-            if w.members is not None and g not in w.boarded:  # for the waits this one is not
-                w.boarded.add(g)
-                self._post(g, beats, message)
+            self._name(w, r, g, beats, message)
             if not w.each:
                 return
+
+    def _name(self, w: Watch, r: int, g: int, beats: int, message: str) -> None:
+        """End ``w`` with the verdict on its rank ``r`` (global ``g``, counter ``beats``), and
+        post it on the board for the waits of other ranks."""
+        verdict = {"rank": r, "message": message}
+        w.verdict = verdict
+        w.named.add(r)
+        self._deliver(w, verdict)
+        if w.members is not None and g not in w.boarded:  # for the waits this one is not
+            w.boarded.add(g)
+            self._post(g, beats, message)
+
+    def _note_exit(self, g: int, beats: int, seen: tuple[int, float] | None) -> None:
+        """Keep :attr:`_exited` true: a counter seen below :data:`EXITED` and now at or above
+        it is a process that exited; one below it again is a new process of that rank."""
+        if beats < EXITED:
+            self._exited.discard(g)
+        elif seen is not None and seen[0] < EXITED:
+            self._exited.add(g)
 
 
 def in_thread(fn: Callable[[], Any], name: str) -> tuple[threading.Event, dict[str, Any]]:

@@ -194,6 +194,7 @@ class StoreChannel:
                 keys=self.beat_store,
                 log_every=self.log_every,
                 members=self.comm.members(),
+                exits=True,  # a rank whose record (or outcome) is not in and that exited
             )
         )
         keys = [key_of(r) for r in sorted(ranks)]
