@@ -7,6 +7,7 @@ global rank 1), as two processes' heartbeats would be."""
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import time
@@ -174,3 +175,24 @@ def test_a_process_that_raised_is_named_exited(store: Any) -> None:
         assert verdict is not None and "exited" in verdict["message"], verdict
     finally:
         watcher.stop(2.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_new_groups_heartbeat_is_not_marked_by_the_last_ones_exit(store: Any) -> None:
+    """A process that makes a new process group on the same store server (an in-process
+    restart): the old heartbeat's exit mark comes before the new one starts, which clears it,
+    never after it on the new process's counter."""
+    from shardsafe.liveness import Heartbeats
+
+    beats = Heartbeats()
+    first = tdist.TCPStore("127.0.0.1", store.port, is_master=False)
+    second = tdist.TCPStore("127.0.0.1", store.port, is_master=False)
+    try:
+        beats.ensure(first, 1, 2)
+        del first  # the old group destroyed: its heartbeat finds its store gone
+        gc.collect()
+        beats.ensure(second, 1, 2)
+        time.sleep(2 * 1.0 + 0.5)  # the old heartbeat's thread would have woken by now
+        assert 0 < int(store.add(beat_key(1), 0)) < EXITED
+    finally:
+        beats.stop()

@@ -703,6 +703,10 @@ class Heartbeats:
     def ensure(self, store: Any, global_rank: int, world_size: int = 1) -> Heartbeat:
         with self._lock:
             if self._current is None or not self._current.serves(store):
+                if self._current is not None:
+                    # the earlier group's heartbeat marks its exit now, not up to an interval
+                    # later on top of a new process group's counter in the same store
+                    self._current.stop(timeout=2.0)
                 self._current = Heartbeat(store, global_rank, world_size)
             if not self._at_exit:
                 # a script that ends without destroying its process group may otherwise exit
