@@ -146,6 +146,47 @@ def test_execute_sync_saves_and_finalizes(tmp_path: Path) -> None:
     assert (tmp_path / "tracker.txt").read_text() == "3 committed=True"
 
 
+def test_markers_left_by_a_dead_training_process_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training process killed mid-save leaves its pending marker in the temporary
+    directory; the next request on the host removes it, and keeps a live process's."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from shardsafe.megatron_async import _prefix
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = tmp_path / f"{_prefix()}{int(dead.stdout)}-0123abcd.pending"
+    stale_done = tmp_path / f"{_prefix()}{int(dead.stdout)}-4567ef01"
+    live = tmp_path / f"{_prefix()}{os.getppid()}-89abcdef.pending"
+    other = tmp_path / "shardsafe-async-otherhost-1-00.pending"  # another host's: not ours
+    for f in (stale, stale_done, live, other):
+        f.touch()
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        request = megatron_api.save(
+            _state(0, 1, 5), str(tmp_path / "iter_5"), async_sharded_save=True
+        )
+        request.execute_sync()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert not stale.exists() and not stale_done.exists()
+    assert live.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.glob("shardsafe-async-*")) == sorted(
+        [live.name, other.name]
+    )  # this request's own marker removed by its finalize function
+
+
 def _run_async_fn(request_bytes: bytes) -> None:
     request = pickle.loads(request_bytes)
     request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)

@@ -22,7 +22,9 @@ process can wait on. So the request is built around the save's handle:
 * the first of ``finalize_fns`` is the handle's ``result()``: it raises the save's error (the
   same on every rank, also Megatron's ``CheckpointingException``) before any finalize function
   Megatron-LM added runs, so no tracker file ever names an iteration that did not commit; it
-  removes the marker either way.
+  removes the marker either way. The marker's name holds the host and the training process's
+  id: a request removes the markers that training processes of this host which are gone left
+  behind (killed mid-save, or before their finalize functions ran).
 
 ``AsyncRequest.execute_sync()`` (Megatron's synchronous fallback) works too: ``async_fn``
 waits in the training process while the save's threads finish.
@@ -30,8 +32,10 @@ waits in the training process while the save's threads finish.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import socket
 import tempfile
 import time
 import uuid
@@ -48,6 +52,36 @@ POLL = 0.02
 
 def _pending(marker: str) -> str:
     return marker + ".pending"
+
+
+def _prefix() -> str:
+    """The start of this host's markers' names; the training process's id follows."""
+    return f"shardsafe-async-{socket.gethostname().replace(os.sep, '_')}-"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, someone else's
+        return False
+    return False
+
+
+def remove_stale_markers(directory: str) -> list[str]:
+    """Remove the markers (and pending files) in ``directory`` whose training process, on this
+    host, is gone; returns their names. A process id used again since keeps its file (an empty
+    file, harmless)."""
+    prefix, removed = _prefix(), []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
+            if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+                    removed.append(name)
+    return removed
 
 
 def await_marker(marker: str, trainer_pid: int) -> None:
@@ -90,9 +124,9 @@ def async_request(
             f"not importable here ({type(e).__name__}: {e}); nothing was saved. Install "
             "megatron-core, or call shardsafe.async_save (its handle commits by itself)"
         ) from None
-    marker = os.path.join(
-        tempfile.gettempdir(), f"shardsafe-async-{os.getpid()}-{uuid.uuid4().hex}"
-    )
+    directory = tempfile.gettempdir()
+    remove_stale_markers(directory)
+    marker = os.path.join(directory, f"{_prefix()}{os.getpid()}-{uuid.uuid4().hex}")
     pending = Path(_pending(marker))
     try:  # made now, renamed when done: a rename needs no space, so the signal cannot fail
         pending.touch(exist_ok=False)
