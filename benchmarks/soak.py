@@ -15,7 +15,9 @@ log. A cycle:
    ``dead_after`` 3 s (the least :mod:`shardsafe.liveness` takes). The process group's store
    is hosted by this harness, as torchrun's agent hosts it, in 3 cycles of 4, by rank 0 (a
    ``tcp://`` rendezvous) in the others.
-2. **One fault**, drawn from: SIGKILL of a rank (``kill-rank``) or of both ranks of a host
+2. **One fault**, drawn from: SIGKILL of a rank (``kill-rank``), or in half of those cycles its
+   process ending as a script's does on an uncaught exception (``exit-rank``: the interpreter's
+   exit stops the heartbeat, which marks the rank exited), SIGKILL of both ranks of a host
    (``kill-host``), or SIGSTOP of a rank (``stop-rank``), each at a random moment of one stage
    of a save (``staging``, ``writing``, ``copying`` to peers, ``committing``, ``draining``) or
    of a restore (``restoring``: the first restart is hit, a second one follows); a flipped,
@@ -101,9 +103,12 @@ STATED_BOUND = 3.0  # liveness.py: a wait names a rank silent for dead_after wit
 FROZEN_STORE_BOUND = 10.0 + 1.0 + 0.5
 PHASE_TIMEOUT = 150.0
 STAGES = ("staging", "writing", "copying", "committing", "draining", "restoring")
-PROCESS_FAULTS = ("kill-rank", "kill-host", "stop-rank")
+PROCESS_FAULTS = ("kill-rank", "kill-host", "stop-rank", "exit-rank")
 FILE_FAULTS = ("flip", "truncate", "delete")
 KINDS = (*PROCESS_FAULTS, *FILE_FAULTS, "full-disk", "stale-lease")
+# what a seed's first draw picks from: exit-rank takes half of kill-rank's cycles by a draw of
+# its own, so that every other seed draws the fault it drew before exit-rank existed
+FIRST_DRAW = tuple(k for k in KINDS if k != "exit-rank")
 RUN_ID = "soak"
 # in namespaces: a killed host's lease holds its step until this has passed (see
 # _save_over_a_lost_hosts_lease); shorter than the default 60 s to keep such cycles short
@@ -142,7 +147,7 @@ def draw(seed: int, namespaces: bool = False) -> Fault:
     namespace, which a restarted host (a new namespace) can no longer judge, so only its ttl
     frees it (as on a real host whose container was replaced)."""
     rng = random.Random(seed)
-    kind = rng.choice(KINDS)
+    kind = rng.choice(FIRST_DRAW)
     f = Fault(kind=kind)
     f.drain = rng.random() < 0.3
     f.store = "agent" if rng.random() < 0.75 else "rank0"
@@ -183,6 +188,8 @@ def draw(seed: int, namespaces: bool = False) -> Fault:
             f.first_layout = _layout(rng, at_least=2)
             f.victim = rng.randrange(len(f.first_layout))
     f.layout = _layout(rng)
+    if kind == "kill-rank" and random.Random(f"{seed}/exit").random() < 0.5:
+        f.kind = "exit-rank"
     if namespaces:
         f.namespaces = True
         f.lease_kind = "expired"
@@ -286,6 +293,13 @@ class _Armed:
         if kind == "stop-rank":
             os.kill(os.getpid(), signal.SIGSTOP)
             return
+        if kind == "exit-rank":
+            # a script's rank that raised: the interpreter's exit stops the heartbeat (which
+            # marks the rank exited) and ends the process; no other clean-up of ours runs
+            from shardsafe.liveness import HEARTBEATS
+
+            HEARTBEATS.stop()
+            os._exit(1)
         from tests.faultinject import kill_self
 
         kill_self()

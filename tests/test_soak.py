@@ -34,6 +34,8 @@ WANTED: list[dict[str, Any]] = [
     # agent hosts it: a frozen store host stops everyone, see README "Recovery soak")
     {"kind": "stop-rank", "stage": "committing", "tier": "local", "store": "agent"},
     {"kind": "kill-rank", "stage": "restoring"},
+    # a rank ending as a script does on an exception, its heartbeat marked exited
+    {"kind": "exit-rank", "stage": "committing", "tier": "local"},
     {"kind": "flip", "tier": "local", "target_file": "manifest"},
     {"kind": "truncate", "tier": "persistent"},
     {"kind": "full-disk"},
