@@ -591,10 +591,9 @@ class Heartbeat:
                 self._counted.add(g)
             seen = self._observed.get(g)
             self._note_exit(g, beats, seen)
+            name = f"rank {r}" if g == r else f"rank {r} (global rank {g})"
+            doing = w.doing or f"the others waited for it to reach '{w.stage}'"
             if w.exits and g in self._exited:
-                self._observed[g] = (beats, seen[1] if seen is not None else now)
-                name = f"rank {r}" if g == r else f"rank {r} (global rank {g})"
-                doing = w.doing or f"the others waited for it to reach '{w.stage}'"
                 self._name(
                     w,
                     r,
@@ -613,9 +612,7 @@ class Heartbeat:
                 continue
             if time.monotonic() < self._grace_until:  # just out of a stall of its own
                 continue
-            name = f"rank {r}" if g == r else f"rank {r} (global rank {g})"
             why = "never started heartbeating" if beats == 0 else "stopped heartbeating"
-            doing = w.doing or f"the others waited for it to reach '{w.stage}'"
             message = (
                 f"{name} on {self.host(g)} {why} {now - seen[1]:.1f} s ago while "
                 f"{doing} (its process died or is frozen, or its host was lost)"

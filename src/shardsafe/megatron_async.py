@@ -65,23 +65,20 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     except OSError:  # alive, someone else's
-        return False
+        pass
     return False
 
 
-def remove_stale_markers(directory: str) -> list[str]:
+def remove_stale_markers(directory: str) -> None:
     """Remove the markers (and pending files) in ``directory`` whose training process, on this
-    host, is gone; returns their names. A process id used again since keeps its file (an empty
-    file, harmless)."""
-    prefix, removed = _prefix(), []
+    host, is gone. A process id used again since keeps its file (an empty file, harmless)."""
+    prefix = _prefix()
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
             pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
             if pid.isdigit() and int(pid) != os.getpid() and _gone(int(pid)):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(directory, name))
-                    removed.append(name)
-    return removed
 
 
 def await_marker(marker: str, trainer_pid: int) -> None:
