@@ -53,6 +53,8 @@ ST = ShardedTensor
 WORLD = 2
 ROWS, COLS = 64, 1024  # 256 KiB of float32, half on each rank
 TIMEOUT = 6.0  # Saver/load timeout of the faulty operations
+STUCK_TIMEOUT = 2.0  # the same where a rank never arrives: the wait always ends in it
+DEAD_AFTER = 3.0  # a killed rank is named by its silence this long (the floor, MIN_DEAD_AFTER)
 SLACK = 15.0  # scheduling noise allowed on top of it (a hang would take the group's 60 s)
 
 
@@ -114,7 +116,7 @@ def _crash(rank: int, world: int, root: str, out: str, mode: str) -> None:
             patch_data_writes(32 << 10, kill_self)  # dies with 32 KiB of its 128 KiB written
         else:
             patch_commit_then_die()
-    saver = Saver(timeout=TIMEOUT)
+    saver = Saver(timeout=TIMEOUT, dead_after=DEAD_AFTER)
 
     def faulty_save() -> None:
         if use_async:
@@ -326,13 +328,13 @@ def _resources(rank: int, world: int, base: str, mounted: bool) -> dict[str, Any
         while not os.path.exists(done) and time.monotonic() < deadline:
             time.sleep(0.1)
         return rec
-    saver = Saver(timeout=TIMEOUT)
+    saver = Saver(timeout=STUCK_TIMEOUT)
     rec["stuck_save"] = record(lambda: saver.save(small_state(0), os.path.join(base, "stuck")))
     rec["stuck_after"] = related(base, "stuck")
     rec["stuck_async"] = record(
         lambda: saver.async_save(small_state(0), os.path.join(base, "stuck"))
     )
-    rec["stuck_load"] = record(lambda: shardsafe.load(columns(0), healthy, timeout=TIMEOUT))
+    rec["stuck_load"] = record(lambda: shardsafe.load(columns(0), healthy, timeout=STUCK_TIMEOUT))
     Path(done).touch()
     return rec
 
@@ -405,10 +407,10 @@ def test_rank_that_never_arrives_is_named_not_waited_for(
     ):
         err = rec[name]
         assert err is not None and err["type"] == "DistributedError", err
-        assert f"rank 1 did not reach '{stage}' within {TIMEOUT:.0f} s" in err["message"], err[
-            "message"
-        ]
-        assert TIMEOUT - 0.5 <= err["seconds"] < TIMEOUT + SLACK, err
+        assert f"rank 1 did not reach '{stage}' within {STUCK_TIMEOUT:.0f} s" in err["message"], (
+            err["message"]
+        )
+        assert STUCK_TIMEOUT - 0.5 <= err["seconds"] < STUCK_TIMEOUT + SLACK, err
     assert rec["stuck_after"] == []  # the coordinator removed its work directory and lock
     assert not (base / "stuck").exists()
 

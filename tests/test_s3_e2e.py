@@ -228,7 +228,7 @@ def _killed_mid_upload(rank: int, world: int, root: str, out: str) -> None:
     manager.close()
     if rank == 1:  # dies after 6 MiB of its 8 MiB data file: one part is up, the upload open
         patch_data_writes(6 << 20, kill_self)
-    saver = Saver(timeout=TIMEOUT)
+    saver = Saver(timeout=TIMEOUT, dead_after=3.0)  # the killed rank named by 3 s of silence
     started = time.monotonic()
     try:
         saver.save(big_state(rank), manager.checkpoint_path(2))
