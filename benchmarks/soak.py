@@ -36,8 +36,10 @@ Each cycle checks (a failed check fails the cycle, with its seed):
 - that step is the *expected* one: the newest step with an intact copy the restart can reach:
   a persistent step whose manifest and files are all present, full-sized and not the damaged
   file (in the step's directory, or in the work directory of a save that died after writing
-  its manifest there, which the restart's clean-up puts back), or a local step whose manifest
-  and every file have such a copy in a place (node id + local root) of the restart's layout. Steps committed before the fault must all still be
+  its manifest there, which the restart's clean-up puts back unless that save's lease still
+  holds it: then the step before it is right too), or a local step whose manifest and every
+  file have such a copy in a place (node id + local root) of the restart's layout. Steps
+  committed before the fault must all still be
   there (none lost that the fault did not touch); the step being saved when a process fault
   struck counts only where it committed;
 - every surviving rank of a process fault or a full disk raised an error (a save never
@@ -882,18 +884,30 @@ def _intact_files(step_dir: str, damaged: set[str]) -> tuple[dict[str, int] | No
     return files, intact
 
 
-def _step_dirs(d: str | None) -> dict[int, list[str]]:
+def _step_dirs(d: str | None, leased: bool = True) -> dict[int, list[str]]:
     """Each step's directories under ``d`` that hold a manifest: the step itself, else the work
     directories of a save that died after writing its manifest there and before renaming it
     into place, which the restart's clean-up puts back as the step
-    (:meth:`shardsafe.directory.CheckpointDirectory.recover`)."""
+    (:meth:`shardsafe.directory.CheckpointDirectory.recover`) unless the save's lease still
+    holds it then (its ttl not over, its process not askable from the restart's host): without
+    ``leased``, such a work directory is left out."""
+    from shardsafe.lease import lease_state
+    from shardsafe.storage.local import LocalStorage
+
     found: dict[int, list[str]] = {}
     if d is None or not os.path.isdir(d):
         return found
     for n in sorted(os.listdir(d)):
         name = n[1:].split(".shardsafe-tmp-")[0] if ".shardsafe-tmp-" in n else n
-        if name.startswith("step_") and os.path.exists(os.path.join(d, n, "manifest.json")):
-            found.setdefault(int(name.removeprefix("step_")), []).append(os.path.join(d, n))
+        if not name.startswith("step_") or not os.path.exists(os.path.join(d, n, "manifest.json")):
+            continue
+        if (
+            not leased
+            and name != n
+            and lease_state(LocalStorage(d), f".{name}.shardsafe-lock") == "held"
+        ):
+            continue
+        found.setdefault(int(name.removeprefix("step_")), []).append(os.path.join(d, n))
     for s, dirs in found.items():
         main = os.path.join(d, f"step_{s:09d}")
         if main in dirs:
@@ -901,14 +915,17 @@ def _step_dirs(d: str | None) -> dict[int, list[str]]:
     return found
 
 
-def expected_step(tmp: str, layout: list[str], damaged: set[str]) -> int | None:
-    """The newest step with an intact copy the restart can reach (see the module docstring)."""
+def expected_step(
+    tmp: str, layout: list[str], damaged: set[str], leased: bool = True
+) -> int | None:
+    """The newest step with an intact copy the restart can reach (see the module docstring);
+    without ``leased``, a work directory still under its save's lease is out of reach."""
     best: int | None = None
-    for s, dirs in _step_dirs(os.path.join(tmp, "persistent")).items():
+    for s, dirs in _step_dirs(os.path.join(tmp, "persistent"), leased).items():
         files, intact = _intact_files(dirs[0], damaged)
         if files is not None and set(files) == intact:
             best = max(best or 0, s)
-    places = [_step_dirs(_place_dir(tmp, h)) for h in sorted(set(layout))]
+    places = [_step_dirs(_place_dir(tmp, h), leased) for h in sorted(set(layout))]
     for s in sorted({s for p in places for s in p}):
         manifest: dict[str, int] | None = None
         have: set[str] = set()
@@ -1169,7 +1186,13 @@ def run_cycle(
             _check_nothing_lost(tmp, STEPS)
             del before
         res.expected = expected_step(tmp, f.layout, damaged)
-        say(f"restart in layout {f.layout}: expect step {res.expected}")
+        # a place's copy still under its save's lease when the restart cleans up is not put
+        # back (its save may be alive): the step before it is right then too
+        unleased = expected_step(tmp, f.layout, damaged, leased=False)
+        say(
+            f"restart in layout {f.layout}: expect step {res.expected}"
+            + (f" ({unleased} where a lease still holds it)" if unleased != res.expected else "")
+        )
         p3 = run_phase(
             ctx,
             tmp,
@@ -1210,7 +1233,7 @@ def run_cycle(
         )
         if len(steps) != 1:
             raise CycleFailure(f"the ranks restored different steps: {steps}")
-        if res.restored != res.expected:
+        if res.restored not in (res.expected, unleased):
             raise CycleFailure(
                 f"restored step {res.restored} ({res.tier} tier), expected {res.expected}: the newest "
                 "step with an intact copy in reach"

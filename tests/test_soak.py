@@ -112,3 +112,39 @@ def test_a_local_save_waits_for_a_dead_rank_only_dead_after(tmp_path: Path) -> N
         planning = [d for stage, d in seen if stage == "save planning"]
         assert len(planning) == 2, seen  # the local save's and the persistent one's
         assert planning == [3.0, 3.0], seen
+
+
+@pytest.mark.parametrize("lease", ["held", "expired"])
+def test_a_work_directory_under_a_live_lease_is_not_expected(tmp_path: Path, lease: str) -> None:
+    """Found by the soak (89000119, a rank frozen while draining, in namespaces): a place's
+    leader froze after writing step 5's manifest into its work directory, before renaming it in,
+    and the restart, on a layout without the other place, restored step 4. That is the lease
+    protocol: a work directory whose save's lease still holds (another host's, within its ttl)
+    may belong to a live save and is not put back, so the step before it is right too. Once the
+    lease expired, the clean-up puts it back and the restore takes it, as the soak expects."""
+    import time
+
+    import torch
+
+    from shardsafe import CheckpointManager
+    from shardsafe.lease import LeaseInfo
+
+    root = tmp_path / "persistent"
+    manager = CheckpointManager(root, async_save=False)
+    for step in (4, 5):
+        manager.save(step, {"w": torch.full((8,), float(step)), "step": step})
+    manager.close()
+    # step 5's save died between writing its manifest and renaming its work directory in
+    os.rename(root / "step_000000005", root / ".step_000000005.shardsafe-tmp-0123456789abcdef")
+    renewed = time.time() - (0 if lease == "held" else 600)
+    (root / ".step_000000005.shardsafe-lock").write_bytes(
+        LeaseInfo("0123456789abcdef", "another-host", 7, "", renewed, 60.0).to_bytes()
+    )
+    held = soak.expected_step(str(tmp_path), [], set(), leased=False)
+    assert soak.expected_step(str(tmp_path), [], set()) == 5
+    assert held == (4 if lease == "held" else 5)
+    restored = CheckpointManager(root, async_save=False)
+    state = restored.restore({"w": torch.zeros(8), "step": 0})
+    assert restored.restored_step == held and state["step"] == held
+    assert torch.equal(state["w"], torch.full((8,), float(held)))
+    restored.close()
