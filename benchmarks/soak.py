@@ -39,9 +39,8 @@ Each cycle checks (a failed check fails the cycle, with its seed):
   its manifest there, which the restart's clean-up puts back unless that save's lease still
   holds it: then the step before it is right too), or a local step whose manifest and every
   file have such a copy in a place (node id + local root) of the restart's layout. Steps
-  committed before the fault must all still be
-  there (none lost that the fault did not touch); the step being saved when a process fault
-  struck counts only where it committed;
+  committed before the fault must all still be there (none lost that the fault did not
+  touch); the step being saved when a process fault struck counts only where it committed;
 - every surviving rank of a process fault or a full disk raised an error (a save never
   succeeds with a rank dead, stopped or out of space), within ``dead_after`` + 3 s (the bound
   ``liveness.py`` states) + ``--slack`` of the fault;
