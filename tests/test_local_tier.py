@@ -540,41 +540,52 @@ def _restore_model_only(rank: int, world: int, tmp: str, hosts: list[str]) -> An
     raise AssertionError("the restore accepted a template missing the optimizer")
 
 
-def test_a_fetched_copy_becomes_the_step_only_once_loaded(trained: Path, tmp_path: Path) -> None:
-    """A host that lost its disk fetches the step into a directory of its own, loads from it
-    while its files are synced, and only then renames it into place."""
+def _restore_logged(rank: int, world: int, tmp: str, hosts: list[str]) -> Any:
+    """:func:`_restore`, with what the library logged at INFO and above."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(f"{record.levelname} {record.getMessage()}")
+
+    logger = logging.getLogger("shardsafe")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Keep())
+    return {**_restore(rank, world, tmp, hosts), "log": records}
+
+
+def test_a_fresh_host_takes_fetched_bytes_into_its_tensors_and_keeps_no_partial_copy(
+    trained: Path, tmp_path: Path
+) -> None:
+    """Host b's disk is gone; the restart puts ranks 2 and 3 on a fresh host c, in the saved
+    layout. Each reads only its own files, so their bytes go from host a's copies straight
+    into its tensors: no file holds them on c, and c keeps no copy of the step (a directory
+    with holes must never become one, not even after a failed load)."""
     run = fresh_copy(trained, tmp_path)
     shutil.rmtree(run / "local" / "b")
+    hosts = ["a", "a", "c", "c"]
     with pytest.raises(RankFailure) as info:
-        run_ranks(
-            _restore_model_only,
-            3,
-            str(run),
-            ["a", "a", "c"],
-            timeout=240,
-            start_method="forkserver",
-        )
+        run_ranks(_restore_model_only, 4, str(run), hosts, timeout=240, start_method="forkserver")
     assert all("requested by no rank" in e for e in info.value.errors.values()), info.value.errors
-    # the load failed: host c's copy is not published as the step
+    # the failed load left the fetched directory, which nothing may take for the step
     assert not (place(run, "c") / "step_000000013").exists()
-    results = run_ranks(
-        _restore, 3, str(run), ["a", "a", "c"], timeout=240, start_method="forkserver"
-    )
+    assert [p.name for p in place(run, "c").iterdir() if p.name.startswith(".shardsafe-fetched")]
+    results = run_ranks(_restore_logged, 4, str(run), hosts, timeout=240, start_method="forkserver")
     assert {r["restored"] for r in results} == {13}
     assert all(r["tier"] == "local" for r in results)
     check_exact(results, 13)
-    # now it is, holding what rank 2 read (its files, as host a holds them), nothing left aside
-    step = place(run, "c") / "step_000000013"
-    assert (step / "manifest.json").read_bytes() == (
-        place(run, "a") / "step_000000013" / "manifest.json"
-    ).read_bytes()
-    fetched = sorted(p.name for p in (step / "data").iterdir())
-    assert fetched
-    for name in fetched:
-        assert (step / "data" / name).read_bytes() == (
-            place(run, "a") / "step_000000013" / "data" / name
-        ).read_bytes()
-    assert not [p.name for p in place(run, "c").iterdir() if "shardsafe-tmp" in p.name]
+    share = 2 * (ROWS // 4) * COLS * 8  # w and m, float64
+    for rank, r in enumerate(results):
+        moved = [line for line in r["log"] if "went straight into" in line]
+        if rank < 2:
+            assert not moved, r["log"]
+        else:
+            assert moved and f": {share} bytes of " in moved[0], r["log"]
+        assert not [line for line in r["log"] if "damaged" in line], r["log"]
+    # c holds nothing of the step, and nothing was left behind
+    assert sorted(p.name for p in place(run, "c").iterdir() if "000000013" in p.name) == []
 
 
 def test_a_drained_step_stays_committed_when_its_bookkeeping_fails(

@@ -21,6 +21,7 @@ import torch
 
 from .checksum import block_checksums, digest
 from .codec import array_view
+from .delivery import Deliveries
 from .directio import CacheAwareReader, DirectIO, aligned_empty, open_data_file
 from .errors import CheckpointError, CorruptCheckpointError, read_failure
 from .format import LARGE_ALIGN, LARGE_ITEM, SMALL_ALIGN, Extent, StoredPiece
@@ -152,6 +153,36 @@ class ReadTask:
     dtype: torch.dtype  # stored element type (the target's may differ: copy_ converts)
 
 
+def span_of(task: ReadTask) -> tuple[int, int]:
+    """Bytes ``[a, b)`` of the task's extent that its region spans."""
+    itemsize = task.dtype.itemsize
+    shape = task.box.shape
+    region = task.region
+    first = task.position + flat_index(shape, region.offset)
+    last = task.position + flat_index(shape, tuple(e - 1 for e in region.end)) + 1
+    return first * itemsize, last * itemsize
+
+
+def in_place(task: ReadTask, block_bytes: int) -> memoryview | None:
+    """The target's bytes where the stored bytes the task spans are exactly them (whole
+    checksum blocks, the same dtype, dense on both sides, in host memory): the read goes
+    straight into them. None where the task reads through a buffer."""
+    a, b = span_of(task)
+    target = task.target
+    aligned = a % block_bytes == 0 and (b % block_bytes == 0 or b == task.piece.extent.nbytes)
+    if not (
+        aligned
+        and target.dtype == task.dtype
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and is_contiguous_in(task.box.shape, task.region)
+        and target.numel() == task.region.numel
+    ):
+        return None
+    flat = target.as_strided((target.numel(),), (1,))  # dense, whatever size-1 axes claim
+    return array_view(flat.view(torch.uint8).numpy())
+
+
 class DataReader:
     """Reads verified regions of a checkpoint's data files; thread-safe."""
 
@@ -161,9 +192,12 @@ class DataReader:
         block_bytes: int,
         max_buffer: int = DEFAULT_MAX_BUFFER,
         direct_io: str | None = None,
+        delivered: Deliveries | None = None,
     ) -> None:
         self.storage = storage
         self.block_bytes = block_bytes
+        # bytes a restore's copy round already put in memory: taken from there, not the file
+        self.delivered = delivered
         self.max_buffer = max_buffer
         # "auto", "always" or "never"; None: SHARDSAFE_DIRECT_IO, read now. Its bounce
         # buffers live as long as this reader.
@@ -214,6 +248,8 @@ class DataReader:
         memory than the checkpoint's files hold, nor seek to absurd offsets."""
         with self._lock:
             size = self._sizes.get(extent.file)
+        if size is None and self.delivered is not None:
+            size = self.delivered.size(extent.file)  # in memory: no file holds it
         if size is None:
             try:
                 size = self.storage.size(extent.file)
@@ -245,8 +281,13 @@ class DataReader:
     def _read(self, extent: Extent, start: int, out: memoryview, what: str) -> None:
         """Read bytes ``[start, start + len(out))`` of ``extent`` into ``out``."""
         self.check_extent(extent, what)
+        at = extent.byte_offset + start
         try:
-            self._reader(extent.file, what).read_into(extent.byte_offset + start, out)
+            if self.delivered is None:
+                self._reader(extent.file, what).read_into(at, out)
+            else:
+                for lo, hi in self.delivered.fill(extent.file, at, out):
+                    self._reader(extent.file, what).read_into(at + lo, out[lo:hi])
         except EOFError as e:
             raise CorruptCheckpointError(
                 f"{what}: {e}; the data file is truncated — {_RESTORE}"
@@ -299,28 +340,16 @@ class DataReader:
 
     def run(self, task: ReadTask) -> None:
         """Copy one region, verifying the blocks it touches."""
-        itemsize = task.dtype.itemsize
+        a, b = span_of(task)
         shape = task.box.shape
         region = task.region
-        first = task.position + flat_index(shape, region.offset)
-        last = task.position + flat_index(shape, tuple(e - 1 for e in region.end)) + 1
-        a, b = first * itemsize, last * itemsize
         extent = task.piece.extent
         bb = self.block_bytes
         what = f"tensor {task.key!r}"
         self.check_extent(extent, what)  # before sizing the scratch buffer from the extent
         target = task.target
-        aligned = a % bb == 0 and (b % bb == 0 or b == extent.nbytes)
-        if (
-            aligned
-            and target.dtype == task.dtype
-            and target.device.type == "cpu"
-            and target.is_contiguous()
-            and is_contiguous_in(shape, region)
-            and target.numel() == region.numel
-        ):
-            flat = target.as_strided((target.numel(),), (1,))  # dense, whatever size-1 axes claim
-            out = array_view(flat.view(torch.uint8).numpy())
+        out = in_place(task, bb)
+        if out is not None:
             self._read(extent, a, out, what)
             self._verify(extent, a, out, what)
             return

@@ -19,10 +19,20 @@ from typing import Any
 import torch
 
 from .codec import decode, decode_inline
+from .delivery import Deliveries
 from .directio import direct_io_mode
 from .dist import get_comm, outcome, raise_for
 from .dtypes import dtype_from_name
-from .engine import DEFAULT_MAX_BUFFER, DataReader, ReadTask, default_threads, plan_reads, run_tasks
+from .engine import (
+    DEFAULT_MAX_BUFFER,
+    DataReader,
+    ReadTask,
+    default_threads,
+    in_place,
+    plan_reads,
+    run_tasks,
+    span_of,
+)
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -241,6 +251,7 @@ def load(
     fully_parallel: bool | str = "auto",
     direct_io: str | None = None,
     dead_after: float = DEAD_AFTER,
+    delivered: Deliveries | None = None,
 ) -> Any:
     """Load ``path`` into the layout described by ``sharded_state_dict`` (the template).
 
@@ -258,6 +269,9 @@ def load(
     (``"auto"``: only over NCCL, see :func:`shardsafe.parallel_load.should_share`).
     ``direct_io``: whether large reads of uncached data may bypass the page cache (``"auto"``,
     ``"always"``, ``"never"``; None: ``SHARDSAFE_DIRECT_IO``, default auto).
+    ``delivered``: bytes of ``path``'s data files already in memory (a restore's copy round put
+    them where :func:`in_place_deliveries` said this load reads them): taken from there, and
+    verified like every other byte read.
     """
     strict = StrictHandling(strict)
     direct_io = direct_io_mode(direct_io)
@@ -289,6 +303,7 @@ def load(
             threads or default_threads(),
             max_buffer_bytes,
             direct_io,
+            delivered,
         )
     )
     check_option(fully_parallel)
@@ -430,11 +445,13 @@ class _LoadJob:
         threads: int,
         max_buffer: int,
         direct_io: str | None = None,
+        delivered: Deliveries | None = None,
     ) -> None:
         self.path = path
         self.threads = threads
         self.max_buffer = max_buffer
         self.direct_io = direct_io
+        self.delivered = delivered
         self.manifest, self.storage = read_manifest(path)
         manifest = self.manifest
         self.where = self.storage.describe(MANIFEST_NAME)
@@ -505,7 +522,11 @@ class _LoadJob:
                 tasks.extend(t)
                 finishers.append(fin)
         with DataReader(
-            self.storage, self.manifest.block_bytes, self.max_buffer, self.direct_io
+            self.storage,
+            self.manifest.block_bytes,
+            self.max_buffer,
+            self.direct_io,
+            self.delivered,
         ) as reader:
             run_tasks(reader, tasks, self.threads)
         for fin in finishers:
@@ -529,7 +550,11 @@ class _LoadJob:
         """The checkpoint's common state, decoded once when first needed."""
         if self._common is ABSENT:
             with DataReader(
-                self.storage, self.manifest.block_bytes, self.max_buffer, self.direct_io
+                self.storage,
+                self.manifest.block_bytes,
+                self.max_buffer,
+                self.direct_io,
+                self.delivered,
             ) as reader:
                 fetch = self._fetcher(reader)
                 self._common = decode(self.manifest.common, fetch, f"{self.where}: common state")
@@ -540,7 +565,7 @@ class _LoadJob:
         tensors the template has no place for (a fresh optimizer's state) whole."""
         manifest, where = self.manifest, self.where
         with DataReader(
-            self.storage, manifest.block_bytes, self.max_buffer, self.direct_io
+            self.storage, manifest.block_bytes, self.max_buffer, self.direct_io, self.delivered
         ) as reader:
             fetch = self._fetcher(reader)
             for _, o in self.split.objects:
@@ -662,3 +687,38 @@ def files_to_read(template: Any, manifest: Manifest) -> set[str]:
             files.update(p.extent.file for p in entry.pieces)
     files.update(e.file for bid, e in manifest.blobs.items() if bid in strings)
     return files
+
+
+def in_place_deliveries(
+    template: Any, manifest: Manifest, files: set[str], max_buffer: int = DEFAULT_MAX_BUFFER
+) -> Deliveries:
+    """Where a load of ``template`` reads bytes of ``files`` straight into a tensor: those
+    spans, for a restore's copy round to put them there as they arrive
+    (:mod:`shardsafe.delivery`).
+
+    The same planning the load does, without touching anything: a tensor the load reads
+    through a buffer (another dtype, a strided region, a shape the checkpoint does not hold,
+    a fresh tensor the template does not hand in) has no span, and its bytes go through the
+    file. The load verifies every byte it takes from a span, as from a file.
+    """
+    tree = apply_factories_recording(adapt(resolve_stateful(template)[0]), (), [])
+    out = Deliveries()
+    for _, st in split_state_dict(tree).tensors:
+        entry = manifest.tensors.get(st.key)
+        if entry is None or st.data is None or tuple(entry.shape) != st.global_shape:
+            continue
+        if dtype_from_name(entry.dtype, MANIFEST_NAME) != st.dtype:
+            continue
+        data = st.data.detach()
+        if st.flattened_range is not None and not data.is_contiguous():
+            continue  # the load reads into a contiguous copy of its own
+        max_elems = max(1, max_buffer // st.dtype.itemsize)
+        tasks, _ = plan_reads(st.key, entry.pieces, _targets(st, data), st.dtype, max_elems)
+        for task in tasks:
+            extent = task.piece.extent
+            if extent.file not in files:
+                continue
+            view = in_place(task, manifest.block_bytes)
+            if view is not None:
+                out.add(extent.file, extent.byte_offset + span_of(task)[0], view)
+    return out

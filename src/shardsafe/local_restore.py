@@ -7,11 +7,16 @@ step each place fetches what its ranks will read (:func:`shardsafe.loading.files
 from a rank that holds a copy (:func:`shardsafe.peers.plan_copies`,
 :func:`shardsafe.transfer.exchange_files`), checks every copy against the manifest before
 renaming it into place, and loads. A place that held none of the step fetches into a
-directory of its own and loads from it while its leader makes the fetched files durable (the
-load reads them from the page cache meanwhile); the directory becomes the step once both are
-done. When the load finds damage, every place checks the copies its ranks read, bad ones are
-replaced from other holders and the load runs again; a file with no intact copy left fails the
-step (the caller marks it and tries the next).
+directory of its own (``.shardsafe-fetched-<step>``, which no clean-up takes for a step). A
+file there that one rank of the place alone reads (a fresh host in the saved layout: every
+file) is not written at all: its bytes go from the copy round straight into that rank's
+tensors (:mod:`shardsafe.delivery`), the load takes them from there, and the directory is
+removed afterwards; the next local save puts the host's files back. A directory holding every
+file it fetched is loaded while its leader makes the files durable (the load reads them from
+the page cache meanwhile), and becomes the step once both are done. When the load finds damage,
+every place checks the copies its ranks read, bad ones are replaced from other holders
+(delivered files are fetched again as files) and the load runs again; a file with no intact
+copy left fails the step (the caller marks it and tries the next).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from functools import partial
 from typing import Any, cast
 
 from .checksum import StreamCheck, digest
+from .delivery import Deliveries
 from .directory import StepDirectory, parse_step
 from .dist import outcome, raise_for
 from .engine import DEFAULT_MAX_BUFFER, verify_written
@@ -34,7 +40,7 @@ from .errors import (
     is_damaged_checkpoint,
 )
 from .format import MANIFEST_NAME, Extent, Manifest
-from .loading import files_to_read
+from .loading import files_to_read, in_place_deliveries
 from .local_tier import LocalPlaces
 from .location import locate
 from .peers import Place, check_offered, check_offered_size, complete_steps, plan_copies
@@ -42,6 +48,14 @@ from .storage.local import LocalStorage
 from .transfer import exchange_files
 
 log = logging.getLogger("shardsafe")
+
+MAX_KEPT_BYTES = 1 << 20
+"""A fetched file is delivered into memory only where its bytes that no tensor takes
+(headers, padding, small items) fit in this many bytes of buffers of their own."""
+
+FETCHED_PREFIX = ".shardsafe-fetched-"
+"""Where a place that holds none of a step fetches it (``<prefix><step>``, in its run
+directory); removed by the next restore when a restore failed or crashed."""
 
 
 def inventory(tier: LocalPlaces) -> dict[str, Any]:
@@ -114,12 +128,15 @@ def restore(
     name: str,
     inv: Mapping[str, Any],
     template: Any,
-    load_into: Callable[[str], Any],
+    load_into: Callable[[str, Deliveries | None], Any],
 ) -> Any:
     """Collective: make every place hold the files of step ``name`` its ranks will read
-    (fetching verified copies from other places), then ``load_into(this place's copy)``. A
-    place that held none of the step loads from the directory it fetched into, which becomes
-    the step once the load succeeded and its files are synced."""
+    (fetching verified copies from other places), then ``load_into(this place's copy,
+    bytes delivered into memory)``. A place that held none of the step loads from the
+    directory it fetched into; a file there that one rank of the place alone reads comes
+    straight into that rank's tensors (:mod:`shardsafe.delivery`), and the directory, which
+    then lacks those bytes, is removed after the load. A directory holding every byte it
+    fetched becomes the step once the load succeeded and its files are synced."""
     if name in inv.get("conflicts", {}):  # the same inventory on every rank: all raise here
         raise CorruptCheckpointError(
             f"local step {name}: the hosts hold different manifest.json files (place, xxh3 "
@@ -135,18 +152,22 @@ def restore(
     has_step = {p for p, steps in inv["held"].items() if name in steps}
     storage = tier.dir.storage
     here = tier.place in has_step
-    fresh = locate(os.path.join(tier.root, name)).tmp_name("restore")
+    # not a step's work directory (``.<step>.shardsafe-tmp-*``): a clean-up never puts one
+    # back as the step, whose files may have holes where bytes went straight into memory
+    fresh = f"{FETCHED_PREFIX}{name}"
     base = name if here else fresh
 
-    # where this place fetches into a fresh directory of a local disk, its files are synced
-    # all at once while the load reads them (:class:`_Syncing`), not one by one on arrival
+    # where this place fetches into a fresh directory of a local disk, its files are written
+    # without an fsync each (:class:`_Syncing` syncs those it keeps while the load reads)
     defer = not here and isinstance(storage, LocalStorage)
 
     def dir_of(place: Place) -> str:
         return name if place in has_step else fresh
 
-    if not here and tier.leader:
-        storage.remove_tree(fresh)  # what a crashed restore left
+    if tier.leader:  # what a restore that failed or crashed left
+        for entry in storage.list_dir(""):
+            if entry.startswith(FETCHED_PREFIX):
+                storage.remove_tree(entry)
     # 1. the manifest, where a place has no copy of the step
     sizes = dict(inv["manifests"][name])
     need_manifest = {p: {MANIFEST_NAME} for p in tier.ranks_of if p not in has_step}
@@ -182,34 +203,100 @@ def restore(
             )
         needed.setdefault(tier.places[rank], set()).update(files)
     extents = _extents_by_file(manifest)
+    # a file that a place fetches into a fresh directory and one rank of the place alone
+    # reads goes to that rank, straight into its tensors: not written, not read back (not
+    # where the place's own copy is unreadable: the fetched directory replaces that one)
+    readers: dict[tuple[Place, str], list[int]] = {}
+    for rank, n in enumerate(needs):
+        for f in n["files"]:
+            readers.setdefault((tier.places[rank], f), []).append(rank)
+    repaired = {*has_step, *inv.get("unreadable", {}).get(name, ())}
+    delivered = {
+        key: rs[0] for key, rs in readers.items() if len(rs) == 1 and key[0] not in repaired
+    }
+    keep = here or not any(p == tier.place for p, _ in delivered)
+    mine_delivered = {f for (p, f), r in delivered.items() if r == tier.comm.rank}
+    deliveries = (
+        _deliveries(template, manifest, {f: sizes[f] for f in mine_delivered})
+        if mine_delivered
+        else None
+    )
     # 3. fetch what each place lacks from places that hold it (each copy verified on arrival);
     # into a directory of the place's own, written without an fsync per file: its leader syncs
     # them all while the load reads them from the page cache
     check = (extents, manifest.block_bytes)
-    _fetch(tier, needed, held, sizes, dir_of, token, check, sync=not defer)
+    _fetch(
+        tier,
+        needed,
+        held,
+        sizes,
+        dir_of,
+        token,
+        check,
+        sync=not defer,
+        receivers=delivered,
+        deliveries=deliveries,
+    )
+    if deliveries is not None:
+        log.info(
+            "restore: local step %s: %d bytes of %d fetched files went straight into rank %d's "
+            "tensors",
+            name,
+            deliveries.nbytes,
+            len(deliveries.files),
+            tier.comm.rank,
+        )
     syncing = (
         _Syncing(storage, base)
-        if defer and tier.leader and isinstance(storage, LocalStorage)
+        if defer and keep and tier.leader and isinstance(storage, LocalStorage)
         else None
     )
     try:
         result = _load_repairing(
-            tier, name, load_into, needed, held, sizes, dir_of, token, extents, manifest, syncing
+            tier,
+            name,
+            load_into,
+            needed,
+            held,
+            sizes,
+            dir_of,
+            token,
+            extents,
+            manifest,
+            syncing,
+            deliveries,
+            set(delivered),
         )
     finally:
         err = syncing.join() if syncing is not None else None
-    # 4. the fetched directory becomes the step once every rank of its place has loaded from it
-    # and its files are durable
-    if err is None and not here and tier.leader:
+    # 4. a fetched directory holding every byte becomes the step once every rank of its place
+    # has loaded from it and its files are durable; one with delivered bytes is removed
+    if err is None and not here and keep and tier.leader:
         _, err = outcome(lambda: _publish_fetched(tier, storage, base, name, inv))
     _agree(tier, err, f"restore of local step {name}")
+    if not keep and tier.leader:  # every rank of the place has loaded from it
+        storage.remove_tree(fresh)
     return result
+
+
+def _deliveries(template: Any, manifest: Manifest, sizes: Mapping[str, int]) -> Deliveries | None:
+    """The files (of ``sizes``) that this rank's load reads almost wholly straight into its
+    tensors, delivered whole; None where there are none, or the template cannot be planned
+    against the manifest (the load then says why)."""
+    try:
+        out = in_place_deliveries(template, manifest, set(sizes))
+    except Exception as e:
+        log.debug("restore: nothing delivered in place (%s: %s)", type(e).__name__, e)
+        return None
+    for f, size in sorted(sizes.items()):
+        out.whole(f, size, MAX_KEPT_BYTES)
+    return out if out.files else None
 
 
 def _load_repairing(
     tier: LocalPlaces,
     name: str,
-    load_into: Callable[[str], Any],
+    load_into: Callable[[str, Deliveries | None], Any],
     needed: Mapping[Place, set[str]],
     held: Mapping[Place, Mapping[str, int]],
     sizes: Mapping[str, int],
@@ -218,21 +305,29 @@ def _load_repairing(
     extents: Mapping[str, list[Extent]],
     manifest: Manifest,
     syncing: _Syncing | None,
+    deliveries: Deliveries | None,
+    delivered: set[tuple[Place, str]],
 ) -> Any:
     """``load_into`` this place's copy of the step; when the load finds damage, every place
     checks the copies its ranks read, bad ones are replaced from other holders, and the load
-    runs again."""
+    runs again (the files that were delivered into memory fetched whole this time)."""
     base = dir_of(tier.place)
     path = os.path.join(tier.root, base)
     try:
-        return load_into(path)  # verifies every block it reads
+        return load_into(path, deliveries)  # verifies every block it reads
     except CheckpointError as e:
         if not is_damaged_checkpoint(e):
             raise
         failure = e
     if syncing is not None:  # its files are checked and replaced below: no sync walks them now
         syncing.join()
-    now = {p: {**held.get(p, {}), **{n: sizes[n] for n in needed.get(p, ())}} for p in held}
+    now = {
+        p: {
+            **held.get(p, {}),
+            **{n: sizes[n] for n in needed.get(p, ()) if (p, n) not in delivered},
+        }
+        for p in held
+    }
     refused = _verify_held(tier, needed, now, base, extents, manifest.block_bytes)
     if not refused:
         raise failure
@@ -245,7 +340,7 @@ def _load_repairing(
         len(refused),
         "y" if len(refused) == 1 else "ies",
     )
-    return load_into(path)
+    return load_into(path, None)
 
 
 class _Syncing:
@@ -372,18 +467,22 @@ def _fetch(
     check: tuple[Mapping[str, list[Extent]], int] | None,
     refused: set[tuple[Place, str]] | None = None,
     sync: bool = True,
+    receivers: Mapping[tuple[Place, str], int] | None = None,
+    deliveries: Deliveries | None = None,
 ) -> None:
     """Copy files to the places that need them; a copy that arrives damaged is refused
     and fetched again from another holder. Raises the same error on every rank when a
     file has no intact copy left. Without ``sync`` this rank writes what it receives without
-    an fsync per file (the caller makes the files durable)."""
+    an fsync per file (the caller makes the files durable). ``receivers`` names the rank of
+    a place that receives a file (the same on every rank); the bytes ``deliveries`` take go
+    into this rank's memory instead of its files."""
     comm = tier.comm
     refused = set(refused or ())
     storage = tier.dir.storage
     target = storage if sync else _Unsynced(storage.root)
     base = dir_of(tier.place)
     for _attempt in range(len(tier.ranks_of) + 1):
-        copies, unavailable = plan_copies(needed, held, sizes, tier.ranks_of, refused)
+        copies, unavailable = plan_copies(needed, held, sizes, tier.ranks_of, refused, receivers)
         if unavailable:
             lost = sorted({n for names in unavailable.values() for n in names})
             raise CorruptCheckpointError(
@@ -416,6 +515,7 @@ def _fetch(
                     target,
                     partial(_part, base, token=token),
                     checks=checks,
+                    deliveries=deliveries,
                 ),
                 {
                     c.src if c.dst == comm.rank else c.dst
@@ -431,11 +531,14 @@ def _fetch(
                 continue
             part = _part(base, c.name, token)
             ok = not errors
+            in_memory = deliveries is not None and c.name in deliveries.files
             if ok and c in checks:
                 try:
-                    ok = not checks[c].finish() and storage.size(part) == c.nbytes
+                    ok = not checks[c].finish() and (in_memory or storage.size(part) == c.nbytes)
                 except Exception:
                     ok = False
+            if ok and in_memory:
+                continue  # no file: the load takes its bytes from memory
             if ok:
                 storage.rename(part, f"{base}/{c.name}")
             else:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from . import local_restore
+from .delivery import Deliveries
 from .directory import CheckpointDirectory, StepDirectory, parse_step, step_name
 from .dist import get_comm
 from .errors import (
@@ -408,7 +409,7 @@ class CheckpointManager:
         :class:`CorruptCheckpointError` when every step failed (naming each and why).
         """
 
-        def load_into(path: str) -> Any:
+        def load_into(path: str, delivered: Deliveries | None = None) -> Any:
             loaded = load(
                 state,
                 path,
@@ -417,6 +418,7 @@ class CheckpointManager:
                 timeout=self.timeout,
                 direct_io=self.direct_io,
                 dead_after=self._saver.dead_after,
+                delivered=delivered,
             )
             if StrictHandling(strict).returns:
                 result, missing, unexpected = loaded
@@ -443,7 +445,11 @@ class CheckpointManager:
         return result
 
     def _restore_local(
-        self, state: Any, step: int | None, load_into: Callable[[str], Any], fallback: bool
+        self,
+        state: Any,
+        step: int | None,
+        load_into: Callable[[str, Deliveries | None], Any],
+        fallback: bool,
     ) -> tuple[bool, Any]:
         """Restore from the local tier when it holds a step, complete across the surviving
         places, at least as new as the newest persistent one; ``(False, None)`` otherwise."""

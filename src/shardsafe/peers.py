@@ -123,13 +123,15 @@ def plan_copies(
     sizes: Mapping[str, int],
     ranks: Mapping[Place, Sequence[int]],
     refused: set[tuple[Place, str]] = frozenset(),  # type: ignore[assignment]
+    receivers: Mapping[tuple[Place, str], int] | None = None,
 ) -> tuple[list[Copy], dict[Place, list[str]]]:
     """Copies that give every place the files its ranks need, and the files nobody can give.
 
     A file a place already holds (and that was not found bad there) is not copied. Sources
     are places holding the file with the recorded size, minus ``refused`` (place, file)
-    pairs whose copy was found corrupt; the least loaded source rank sends, to the least
-    loaded rank of the receiving place.
+    pairs whose copy was found corrupt; the least loaded source rank sends, to the rank of
+    the receiving place that ``receivers`` names for the file (one of its ranks), else to
+    its least loaded rank.
     """
     sent = dict.fromkeys((r for rs in ranks.values() for r in rs), 0)
     received = dict(sent)
@@ -149,7 +151,9 @@ def plan_copies(
                 unavailable.setdefault(place, []).append(name)
                 continue
             src = min((r for p in sources for r in ranks[p]), key=lambda r: (sent[r], r))
-            dst = min(ranks[place], key=lambda r: (received[r], r))
+            dst = (receivers or {}).get((place, name), -1)
+            if dst not in ranks[place]:
+                dst = min(ranks[place], key=lambda r: (received[r], r))
             sent[src] += size
             received[dst] += size
             copies.append(Copy(name, size, src, dst))

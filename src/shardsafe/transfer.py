@@ -15,7 +15,9 @@ never leaves a peer blocked. A file name that is not a checkpoint file's
 
 A receiver given a :class:`shardsafe.checksum.StreamCheck` for a copy feeds it the copy's bytes
 as they arrive, so that the copy is checked against its sender's block checksums without
-being read back from disk.
+being read back from disk. A receiver given :class:`shardsafe.delivery.Deliveries` puts the
+bytes of the files they deliver whole straight into memory and writes no file for them: a
+restore's load takes them from there.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.distributed as tdist
 
 from .checksum import StreamCheck
 from .codec import array_view
+from .delivery import Deliveries
 from .errors import CheckpointError
 from .peers import Copy, check_offered
 from .storage import Storage
@@ -77,13 +80,15 @@ def exchange_files(
     target_rel: Callable[[str], str],
     chunk_bytes: int = CHUNK_BYTES,
     checks: Mapping[Copy, StreamCheck] | None = None,
+    deliveries: Deliveries | None = None,
 ) -> list[str]:
     """Send the copies this rank is the source of and receive those it is the destination of.
 
     Files are read from ``source`` at ``source_rel(name)`` and written (created, fsynced) to
     ``target`` at ``target_rel(name)``. Each received copy that has an entry in ``checks`` is
     fed to it, in file order, as it arrives (whether or not its write succeeds); the caller
-    reads the verdict from it afterwards. Returns this rank's errors (empty on success); it
+    reads the verdict from it afterwards. The bytes of received files that ``deliveries`` take
+    go into their memory, and no file is written for them. Returns this rank's errors (empty on success); it
     never raises for an I/O failure or a refused name, so that every rank finishes every round.
     """
     outgoing, incoming = _streams(copies, rank)
@@ -191,6 +196,11 @@ def exchange_files(
                     check = checks.get(incoming[src][i]) if checks else None
                     if check is not None and incoming[src][i].name not in refused:
                         check.feed(off, view[at : at + n])
+                    name = incoming[src][i].name
+                    if deliveries is not None and name in deliveries.files:
+                        if name not in refused and deliveries.land(name, off, view[at : at + n]):
+                            errors.append(f"bytes of {name} had nowhere to go")  # never: whole
+                        continue
                     f = writer(src, i)
                     if f is None:
                         continue
