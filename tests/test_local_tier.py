@@ -275,6 +275,15 @@ def test_plan_copies_fetches_only_what_is_missing_or_refused() -> None:
     assert [(c.name, c.src) for c in copies] == [("f2", 2)]
     _, lost = plan_copies({C: {"f1"}}, held, sizes, ranks, {(A, "f1")})
     assert lost == {C: ["f1"]}
+    # the receiving rank a restore names (the file's only reader there) gets the file; one
+    # not of the place is ignored (the least loaded rank of the place receives)
+    D = ("d", "/l")
+    ranks = {**ranks, D: [4, 5]}
+    held = {**held, D: {}}
+    copies, _ = plan_copies({D: {"f1", "f2"}}, held, sizes, ranks, set(), {(D, "f1"): 5})
+    assert {c.name: c.dst for c in copies} == {"f1": 5, "f2": 4}
+    copies, _ = plan_copies({D: {"f1"}}, held, sizes, ranks, set(), {(D, "f1"): 0})
+    assert [c.dst for c in copies] == [4]
     assert complete_steps(
         {A: {"s1": {"f1": 10}}, B: {"s1": {"f2": 20}}}, {"s1": {"f1": 10, "f2": 20}}
     ) == ["s1"]

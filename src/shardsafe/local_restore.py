@@ -152,8 +152,8 @@ def restore(
     has_step = {p for p, steps in inv["held"].items() if name in steps}
     storage = tier.dir.storage
     here = tier.place in has_step
-    # not a step's work directory (``.<step>.shardsafe-tmp-*``): a clean-up never puts one
-    # back as the step, whose files may have holes where bytes went straight into memory
+    # not a step's work directory (``.<step>.shardsafe-tmp-*``): a clean-up never puts it
+    # back as the step, which it may not be (the files delivered into memory are not in it)
     fresh = f"{FETCHED_PREFIX}{name}"
     base = name if here else fresh
 
@@ -217,7 +217,7 @@ def restore(
     keep = here or not any(p == tier.place for p, _ in delivered)
     mine_delivered = {f for (p, f), r in delivered.items() if r == tier.comm.rank}
     deliveries = (
-        _deliveries(template, manifest, {f: sizes[f] for f in mine_delivered})
+        _deliveries(template, manifest, {f: sizes[f] for f in mine_delivered if f in sizes})
         if mine_delivered
         else None
     )
