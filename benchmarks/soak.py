@@ -1060,8 +1060,16 @@ def _survivor_checks(
         if res is None:
             raise CycleFailure(f"{what}: surviving rank {r} left no result (exit code {code})")
         if "error" not in res:
+            struck = {
+                v: (
+                    phase.exit_codes.get(v),
+                    _brief({v: phase.results[v]}) if v in phase.results else "no result",
+                )
+                for v in victims
+            }
             raise CycleFailure(
                 f"{what}: rank {r} succeeded although rank(s) {sorted(victims)} were struck: {res}"
+                f" (the fault's record {fired}; the struck ranks' exit codes and results {struck})"
             )
         wait = float(res["error_time"]) - float(fired["time"])
         waits.append(wait)
