@@ -597,6 +597,44 @@ def test_a_fresh_host_takes_fetched_bytes_into_its_tensors_and_keeps_no_partial_
     assert sorted(p.name for p in place(run, "c").iterdir() if "000000013" in p.name) == []
 
 
+def _restore_nothing_in_memory(rank: int, world: int, tmp: str, hosts: list[str]) -> Any:
+    """:func:`_restore` where no fetched file may go into memory (as with tensors on a GPU)."""
+    import shardsafe.local_restore
+
+    shardsafe.local_restore.MAX_KEPT_BYTES = -1  # every file keeps too much outside its spans
+    return _restore(rank, world, tmp, hosts)
+
+
+def test_a_fresh_host_that_took_nothing_into_memory_keeps_the_fetched_step(
+    trained: Path, tmp_path: Path
+) -> None:
+    """Where no rank of the fresh host took a file into memory, its fetched directory holds
+    every file and becomes the step once loaded and synced, as a copy of the other hosts'."""
+    run = fresh_copy(trained, tmp_path)
+    shutil.rmtree(run / "local" / "b")
+    results = run_ranks(
+        _restore_nothing_in_memory,
+        4,
+        str(run),
+        ["a", "a", "c", "c"],
+        timeout=240,
+        start_method="forkserver",
+    )
+    assert {r["restored"] for r in results} == {13}
+    check_exact(results, 13)
+    step = place(run, "c") / "step_000000013"
+    assert (step / "manifest.json").read_bytes() == (
+        place(run, "a") / "step_000000013" / "manifest.json"
+    ).read_bytes()
+    fetched = sorted(p.name for p in (step / "data").iterdir())
+    assert fetched
+    for name in fetched:
+        assert (step / "data" / name).read_bytes() == (
+            place(run, "a") / "step_000000013" / "data" / name
+        ).read_bytes()
+    assert not [p.name for p in place(run, "c").iterdir() if p.name.startswith(".shardsafe")]
+
+
 def test_a_drained_step_stays_committed_when_its_bookkeeping_fails(
     s3_bucket_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -214,7 +214,6 @@ def restore(
     delivered = {
         key: rs[0] for key, rs in readers.items() if len(rs) == 1 and key[0] not in repaired
     }
-    keep = here or not any(p == tier.place for p, _ in delivered)
     mine_delivered = {f for (p, f), r in delivered.items() if r == tier.comm.rank}
     deliveries = (
         _deliveries(template, manifest, {f: sizes[f] for f in mine_delivered if f in sizes})
@@ -225,7 +224,7 @@ def restore(
     # into a directory of the place's own, written without an fsync per file: its leader syncs
     # them all while the load reads them from the page cache
     check = (extents, manifest.block_bytes)
-    _fetch(
+    took = _fetch(
         tier,
         needed,
         held,
@@ -237,6 +236,8 @@ def restore(
         receivers=delivered,
         deliveries=deliveries,
     )
+    # a fetched directory that lacks what went into memory is never the step
+    keep = here or not any(tier.places[r] == tier.place for r in took)
     if deliveries is not None:
         log.info(
             "restore: local step %s: %d bytes of %d fetched files went straight into rank %d's "
@@ -469,13 +470,15 @@ def _fetch(
     sync: bool = True,
     receivers: Mapping[tuple[Place, str], int] | None = None,
     deliveries: Deliveries | None = None,
-) -> None:
+) -> set[int]:
     """Copy files to the places that need them; a copy that arrives damaged is refused
     and fetched again from another holder. Raises the same error on every rank when a
     file has no intact copy left. Without ``sync`` this rank writes what it receives without
     an fsync per file (the caller makes the files durable). ``receivers`` names the rank of
-    a place that receives a file (the same on every rank); the bytes ``deliveries`` take go
-    into this rank's memory instead of its files."""
+    a place that receives a file (the same on every rank); the files ``deliveries`` deliver
+    go into this rank's memory, not into files. Returns the ranks that took a file into
+    memory (the same on every rank)."""
+    took: set[int] = set()
     comm = tier.comm
     refused = set(refused or ())
     storage = tier.dir.storage
@@ -490,7 +493,7 @@ def _fetch(
                 f"is left on any host ({len(lost)} files)"
             )
         if not copies:
-            return
+            return took
         if any(c.dst == comm.rank for c in copies):
             # a receiver makes the directory it writes into (the place's leader cleared a
             # fresh one before the gathers that led here)
@@ -550,7 +553,16 @@ def _fetch(
                     c.src,
                     tier.places[c.src][0],
                 )
-        reports = _gather(tier, {"failed": failed, "errors": errors}, "restore: copy reports")
+        in_memory = any(
+            c.dst == comm.rank and deliveries is not None and c.name in deliveries.files
+            for c in copies
+        )
+        reports = _gather(
+            tier,
+            {"failed": failed, "errors": errors, "in_memory": in_memory},
+            "restore: copy reports",
+        )
+        took |= {r for r, rep in enumerate(reports) if rep.get("in_memory")}
         if any(r["errors"] for r in reports):
             raise CheckpointError(
                 "copying checkpoint files between hosts failed: "
@@ -565,7 +577,7 @@ def _fetch(
             if n == c.name
         }
         if not bad:
-            return
+            return took
         refused |= bad
         # what arrived intact is held now
         now = {p: dict(h) for p, h in held.items()}
