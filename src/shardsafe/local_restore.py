@@ -553,13 +553,13 @@ def _fetch(
                     c.src,
                     tier.places[c.src][0],
                 )
-        in_memory = any(
+        took_any = any(
             c.dst == comm.rank and deliveries is not None and c.name in deliveries.files
             for c in copies
         )
         reports = _gather(
             tier,
-            {"failed": failed, "errors": errors, "in_memory": in_memory},
+            {"failed": failed, "errors": errors, "in_memory": took_any},
             "restore: copy reports",
         )
         took |= {r for r, rep in enumerate(reports) if rep.get("in_memory")}
