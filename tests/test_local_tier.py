@@ -659,3 +659,43 @@ def test_a_drained_step_stays_committed_when_its_bookkeeping_fails(
         mgr.close()
     loaded = shardsafe.load({"w": torch.zeros(64)}, f"{s3_bucket_url}/step_000000001")
     assert torch.equal(loaded["w"], w) and loaded["step"] == 1
+
+
+def _start_over(rank: int, world: int, tmp: str, restore: bool, run_id: str) -> Any:
+    """Two ranks on hosts a and b save steps 1-3 locally; new managers then save step 1
+    again, having restored or not."""
+    host = "ab"[rank]
+    w = torch.zeros(ROWS // world, COLS, dtype=torch.float64)
+    state = state_of(rank, world, w, torch.zeros_like(w), 0)
+    first = manager(tmp, host)  # persistent_every=10: these steps are local only
+    for step in (1, 2, 3):
+        state["step"] = step
+        first.save(step, state)
+    first.close()
+    again = CheckpointManager(
+        f"{tmp}/persistent", local_root=f"{tmp}/local/{host}", node_id=host, run_id=run_id
+    )
+    if restore:
+        state = again.restore(state)
+    try:
+        again.save(1, state)
+        again.wait()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        again.close()
+    return None
+
+
+def test_a_run_that_starts_over_without_restoring_is_refused(tmp_path: Path) -> None:
+    """latest_step() reads the persistent tier only: a loop that resumes only when it names a
+    step starts over while the local tier holds newer steps. Its first save is refused on
+    every rank, naming the host and the step, instead of mixing two trainings in one run."""
+    errors = run_ranks(_start_over, 2, str(tmp_path / "x"), False, "tiers", timeout=120)
+    for e in errors:
+        assert e is not None and e.startswith("CheckpointError"), errors
+        assert "holds committed step 3" in e and "restored nothing" in e, e
+    assert all("step 3 on hosts a, b (this host's" in e for e in errors), errors
+    # a run that restored, or a run of its own (a new run_id), saves as usual
+    assert run_ranks(_start_over, 2, str(tmp_path / "y"), True, "tiers", timeout=120) == [None] * 2
+    assert run_ranks(_start_over, 2, str(tmp_path / "z"), False, "new", timeout=120) == [None] * 2

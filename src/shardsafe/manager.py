@@ -152,6 +152,9 @@ class CheckpointManager:
         self._pending: tuple[AsyncSaveHandle, Future[SaveStats]] | None = None
         self._closed = False
         self._restored: str | None = None
+        # a local save before any restore first checks that the run is not starting over
+        # on top of its own newer local steps (:meth:`_refuse_to_start_over`)
+        self._local_checked = False
         self.restored_tier: str | None = None
         """``"local"`` or ``"persistent"``: where the last :meth:`restore` read from."""
         self.local_every = local_every
@@ -202,7 +205,10 @@ class CheckpointManager:
 
         Read from storage by this process: right after an async save completes, a rank other
         than the coordinator may still see the previous pointer for a moment. ``restore()``
-        without a step takes the coordinator's answer on every rank.
+        without a step takes the coordinator's answer on every rank. The persistent tier
+        only: with a ``local_root``, decide whether to resume by calling :meth:`restore`,
+        which raises :class:`CheckpointNotFoundError` on every rank when neither tier holds
+        a step.
         """
         name = self._dir.latest()
         return parse_step(name) if name is not None else None
@@ -236,6 +242,8 @@ class CheckpointManager:
             if self._closed:
                 raise CheckpointError(f"the CheckpointManager of {self.root} is closed")
             name = step_name(step)
+            if not self._local_checked and self._restored is None:
+                self._refuse_to_start_over(step)
             drain = None
             if persistent and self.drain:
                 self._settle()
@@ -268,6 +276,37 @@ class CheckpointManager:
         return self._save_named(
             step_name(step), state, content_metadata=content_metadata, progress=progress
         )
+
+    def _refuse_to_start_over(self, step: int) -> None:
+        """Collective, before this manager's first local save when it restored nothing: a
+        run that saves ``step`` while its local tier already holds a committed step at least
+        as new has started over without restoring (a resume decided by :meth:`latest_step`,
+        which reads the persistent tier only, does that when no persistent step exists yet).
+        Saving on would mix two trainings in one run: retention keeps the newest step
+        numbers, the old run's, and a restore would go back to them."""
+        local = self._local
+        assert local is not None
+        newest = None
+        if local.leader:
+            marked = local.dir.damaged()
+            found = [parse_step(n) for n in local.dir.committed() if n not in marked]
+            newest = max((s for s in found if s is not None), default=None)
+        seen = local.comm.all_gather((local.host, newest))
+        self._local_checked = True
+        clash = {host: s for host, s in seen if s is not None and s >= step}
+        if clash:
+            newer = max(clash.values())
+            hosts = sorted(clash)
+            where = ", ".join(hosts[:4]) + (f" and {len(hosts) - 4} more" if len(hosts) > 4 else "")
+            raise CheckpointError(
+                f"this run's local tier holds committed step {newer} on "
+                f"host{'s' if len(hosts) > 1 else ''} {where} (this host's: {local.root}), "
+                f"and step {step} is being saved by a manager that restored nothing: "
+                "a run that resumes calls manager.restore(state) before training (it raises "
+                "CheckpointNotFoundError when neither tier holds a step; latest_step() reads "
+                "the persistent tier only); to start the run over, give it a new run_id or "
+                "delete those local steps"
+            )
 
     def _save_named(
         self,

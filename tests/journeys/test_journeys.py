@@ -9,6 +9,8 @@ operations in the same order (data-parallel halves are summed as two micro-batch
 
 from __future__ import annotations
 
+import os
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -404,3 +406,168 @@ def test_tensor_parallel_adam_and_scheduler_through_the_manager(tmp_path):
     reader = shardsafe.CheckpointReader(f"{root}/step_{12:09d}")
     assert "optimizer.state.exp_avg.fc1.weight" in reader.tensor_keys()
     assert reader.verify().ok
+
+
+# --------------------------------------------------------------------------- local tier, hosts lost
+
+
+# 32 of fc1's rows per rank at 4 ranks: every layout's matrix products take the same kernels
+# (with 2 rows per rank they do not, and the sums differ in the last bit)
+HIDDEN = 128
+
+
+def _lines_logged(fragment):
+    """The library's log lines (INFO and above) that hold ``fragment``, as they come."""
+    import logging
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if fragment in record.getMessage():
+                lines.append(record.getMessage())
+
+    logger = logging.getLogger("shardsafe")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Keep())
+    return lines
+
+
+def _local_tier_generation(rank, world, root, gen, hosts, last, kill):
+    """The local-tier loop of the README under tensor parallelism (``_optim_generation``'s
+    model, Adam and scheduler, ``model.state_dict()`` as the model's state): a local save
+    every step with one copy on another host, a persistent one every 3rd. ``kill``: every rank
+    of that host is SIGKILLed right after the call that starts step ``kill[1]``'s save. What
+    the restore gave is written to ``restored-<gen>-<rank>.pkl`` (a killed generation returns
+    nothing)."""
+    import signal
+
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from shardsafe.errors import CheckpointError, CheckpointNotFoundError
+    from shardsafe.integrations import OptimizerState
+
+    model = Net(hidden=HIDDEN)
+    model.drop.p = 0.0
+    if world > 1:
+        plan = {"fc1": ColwiseParallel(output_layouts=Replicate())}
+        parallelize_module(model, _mesh(world), plan)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    manager = CheckpointManager(
+        f"{root}/persistent",
+        local_root=f"{root}/local/{hosts[rank]}",
+        node_id=hosts[rank],
+        local_every=1,
+        persistent_every=3,
+        replicas=1,
+        dead_after=2.0,
+    )
+    state = {"model": model.state_dict(), "optim": OptimizerState(opt, model), "sched": sched}
+    state["step"] = 0
+    moved = _lines_logged("went straight into")
+    restored = None
+    try:  # latest_step() reads the persistent tier only: the local tier may hold newer steps
+        state = manager.restore(state)
+        restored = {
+            "step": manager.restored_step,
+            "tier": manager.restored_tier,
+            "snapshot": _optim_snapshot(model, opt, sched),
+            "moved": list(moved),
+        }
+    except CheckpointNotFoundError:
+        pass  # neither tier holds a step: a fresh start
+    with open(f"{root}/restored-{gen}-{rank}.pkl", "wb") as f:
+        pickle.dump(restored, f)
+    for step in range(state["step"] + 1, last + 1):
+        opt.zero_grad()
+        for half in (0, 1):
+            (_half_loss(model, step, half) * 0.5).backward()
+        opt.step()
+        sched.step()
+        state["step"] = step
+        manager.save(step, state)  # the state restore returned, saved as it was built
+        if kill is not None and step == kill[1]:
+            if hosts[rank] == kill[0]:
+                os.kill(os.getpid(), signal.SIGKILL)  # the whole host, its save in flight
+            try:
+                manager.wait()
+            except CheckpointError as e:
+                return {"restored": restored, "lost": str(e)}
+            raise AssertionError(f"step {step}'s save survived the loss of host {kill[0]}")
+        manager.wait()
+    manager.close()
+    return {"restored": restored, "final": _optim_snapshot(model, opt, sched)}
+
+
+def _snapshots_of_an_uninterrupted_run(rank, world, steps):
+    model = Net(hidden=HIDDEN)
+    model.drop.p = 0.0
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    out = {}
+    for step in range(1, max(steps) + 1):
+        opt.zero_grad()
+        for half in (0, 1):
+            (_half_loss(model, step, half) * 0.5).backward()
+        opt.step()
+        sched.step()
+        if step in steps:
+            out[step] = _optim_snapshot(model, opt, sched)
+    return out
+
+
+def test_local_tier_over_lost_hosts_and_layouts(tmp_path):
+    """Three generations, each on other hosts and another layout, each resuming from the
+    newest *local* step after a host was lost with its disk: 4 ranks on a, a, b, b (b killed
+    while saving step 5) -> 2 ranks on c, a (c is new: its rank takes a's copies of the files
+    it reads straight into its tensors; a is killed while saving step 8) -> 4 ranks on c, c,
+    d, d (d is new: it fetches the files its ranks read) to step 11. Every restore equals the
+    uninterrupted run at the restored step, and the end equals it at step 11. The first
+    generation finds nothing to restore, as a fresh start does."""
+    import shutil
+
+    root = str(tmp_path)
+    ref = run_ranks(_snapshots_of_an_uninterrupted_run, 1, (4, 7, 11))[0]
+    generations = [
+        (["a", "a", "b", "b"], 11, ("b", 5), 4),
+        (["c", "a"], 11, ("a", 8), 7),
+        (["c", "c", "d", "d"], 11, None, 11),
+    ]
+    restored_at = None
+    for gen, (hosts, last, kill, committed) in enumerate(generations):
+        args = (root, gen, hosts, last, kill)
+        if kill is None:
+            for r in run_ranks(_local_tier_generation, len(hosts), *args):
+                _same(r["final"], ref[committed])
+        else:
+            with pytest.raises(RankFailure) as failed:
+                run_ranks(_local_tier_generation, len(hosts), *args)
+            struck = [r for r, h in enumerate(hosts) if h == kill[0]]
+            assert sorted(failed.value.errors) == struck, failed.value.errors
+            assert all("code -9" in failed.value.errors[r] for r in struck)
+            shutil.rmtree(f"{root}/local/{kill[0]}")  # the host is gone with its disk
+        for rank in range(len(hosts)):
+            with open(f"{root}/restored-{gen}-{rank}.pkl", "rb") as f:
+                restored = pickle.load(f)
+            if restored_at is None:
+                assert restored is None
+                continue
+            assert (restored["step"], restored["tier"]) == (restored_at, "local"), restored
+            _same(restored["snapshot"], ref[restored_at])
+            # c's rank, alone on its host, took the copies of every file it reads straight
+            # into its tensors; d's two ranks read the same files, which d fetched as files
+            assert bool(restored["moved"]) == ((gen, rank) == (1, 0)), (gen, rank, restored)
+        restored_at = committed
+    # the persistent tier holds steps 3, 6, 9 (the kept ones of them): every restore above
+    # came from the local tier, which alone held the newer steps
+    assert CheckpointManager(f"{root}/persistent").latest_step() == 9
+    # the new hosts hold the steps they saved themselves: each an ordinary, verified checkpoint
+    for host in ("c", "d"):
+        (run,) = Path(root, "local", host).glob("run-*")
+        assert sorted(p.name for p in run.iterdir() if p.name.startswith(("step_", "."))) == [
+            "step_000000010",
+            "step_000000011",
+        ]
+        assert shardsafe.CheckpointReader(str(run / "step_000000011")).verify().ok
