@@ -30,7 +30,9 @@ from shardsafe import ShardedTensor
 from shardsafe.manager import CheckpointManager
 
 ROWS = 24  # divisible by every world size used
-LEASE_TTL = 30.0  # long enough that the restart begins while it is valid
+# long enough that the restart begins while it is valid (its age then: 4-5 s here), and the
+# restart's save of the same step waits for it to expire
+LEASE_TTL = 15.0
 
 
 def state(rank: int, world: int, step: int) -> dict[str, Any]:

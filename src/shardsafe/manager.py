@@ -33,7 +33,7 @@ import torch
 from . import local_restore
 from .delivery import Deliveries
 from .directory import CheckpointDirectory, StepDirectory, parse_step, step_name
-from .dist import get_comm
+from .dist import get_comm, outcome, raise_for
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -286,14 +286,16 @@ class CheckpointManager:
         numbers, the old run's, and a restore would go back to them."""
         local = self._local
         assert local is not None
-        newest = None
-        if local.leader:
+
+        def newest() -> int | None:
             marked = local.dir.damaged()
             found = [parse_step(n) for n in local.dir.committed() if n not in marked]
-            newest = max((s for s in found if s is not None), default=None)
-        seen = local.comm.all_gather((local.host, newest))
-        self._local_checked = True
-        clash = {host: s for host, s in seen if s is not None and s >= step}
+            return max((s for s in found if s is not None), default=None)
+
+        mine, err = outcome(newest) if local.leader else (None, None)
+        seen = local.comm.all_gather((local.host, mine, err))
+        raise_for([e for _, _, e in seen], "the local tier's check of its steps")
+        clash = {host: s for host, s, _ in seen if s is not None and s >= step}
         if clash:
             newer = max(clash.values())
             hosts = sorted(clash)
@@ -307,6 +309,7 @@ class CheckpointManager:
                 "the persistent tier only); to start the run over, give it a new run_id or "
                 "delete those local steps"
             )
+        self._local_checked = True
 
     def _save_named(
         self,
