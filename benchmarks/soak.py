@@ -1282,7 +1282,10 @@ def run_cycle(
         res.message = f"harness error: {type(e).__name__}: {e}\n{traceback.format_exc()}"
     finally:
         res.seconds = time.monotonic() - t0
-        if verbose:
+        if verbose or not res.ok:  # a failure in a long run leaves what it needs to be read
+            if not res.ok and not verbose:
+                print(f"  seed {seed} failed: {res.message}\n  its files and logs:")
+                _print_tree(tmp)
             _print_logs(tmp)
         if keep:
             print(f"  kept {tmp}")
@@ -1302,6 +1305,18 @@ def _brief(results: dict[int, dict[str, Any]]) -> str:
         return "done"
 
     return "; ".join(f"{r}: {one(x)}" for r, x in sorted(results.items()))
+
+
+def _print_tree(tmp: str) -> None:
+    """Every file of both tiers, with its size (leases, marks and work directories too)."""
+    for tier in ("persistent", "local"):
+        top = os.path.join(tmp, tier)
+        for here, dirs, files in sorted(os.walk(top)):
+            dirs.sort()
+            for name in sorted(files):
+                path = os.path.join(here, name)
+                with contextlib.suppress(OSError):
+                    print(f"    {os.path.relpath(path, tmp)} {os.path.getsize(path)}")
 
 
 def _print_logs(tmp: str) -> None:

@@ -699,3 +699,55 @@ def test_a_run_that_starts_over_without_restoring_is_refused(tmp_path: Path) -> 
     # a run that restored, or a run of its own (a new run_id), saves as usual
     assert run_ranks(_start_over, 2, str(tmp_path / "y"), True, "tiers", timeout=120) == [None] * 2
     assert run_ranks(_start_over, 2, str(tmp_path / "z"), False, "new", timeout=120) == [None] * 2
+
+
+def _saves_both_tiers(rank: int, world: int, tmp: str, last: int) -> Any:
+    """Hosts a and b, a local save every step and a persistent one every 2nd, to ``last``."""
+    host = "ab"[rank]
+    mgr = CheckpointManager(
+        f"{tmp}/persistent",
+        local_root=f"{tmp}/local/{host}",
+        node_id=host,
+        persistent_every=2,
+        dead_after=2.0,
+    )
+    w = torch.zeros(ROWS // world, COLS, dtype=torch.float64)
+    m = torch.zeros_like(w)
+    state = state_of(rank, world, w, m, 0)
+    for step in range(1, last + 1):
+        train_step(w, m, rows_of(rank, world), step)
+        state["step"] = step
+        mgr.save(step, state)
+        mgr.wait()
+    mgr.close()
+    return None
+
+
+def _restore_both_tiers(rank: int, world: int, tmp: str) -> Any:
+    host = "ab"[rank]
+    mgr = CheckpointManager(
+        f"{tmp}/persistent", local_root=f"{tmp}/local/{host}", node_id=host, dead_after=2.0
+    )
+    w = torch.full((ROWS // world, COLS), float("nan"), dtype=torch.float64)
+    m = torch.full_like(w, float("nan"))
+    state = mgr.restore(state_of(rank, world, w, m, 0))
+    mgr.close()
+    return {"step": state["step"], "tier": mgr.restored_tier, "w": w.numpy(), "m": m.numpy()}
+
+
+def test_a_damaged_persistent_step_falls_back_to_a_newer_local_one(tmp_path: Path) -> None:
+    """Persistent steps 2 and 4, local steps 3 and 4; local step 4 is gone and persistent
+    step 4 is damaged. The newest intact step in reach is local step 3, not persistent step 2:
+    a persistent step found damaged lets the local steps newer than the next one go first."""
+    run_ranks(_saves_both_tiers, 2, str(tmp_path), 4, timeout=120)
+    for host in ("a", "b"):
+        shutil.rmtree(place(tmp_path, host) / "step_000000004")
+    data = tmp_path / "persistent" / "step_000000004" / "data"
+    victim = sorted(data.iterdir())[0]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    results = run_ranks(_restore_both_tiers, 2, str(tmp_path), timeout=120)
+    assert all(r["tier"] == "local" for r in results), results
+    check_exact(results, 3)
+    assert (tmp_path / "persistent" / ".step_000000004.shardsafe-damaged").exists()

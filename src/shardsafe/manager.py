@@ -469,49 +469,75 @@ class CheckpointManager:
 
         # a rank lost since the last save is named here, not a hang in the inventory's broadcasts
         self._saver.comm().arrive("restore", self.timeout, self._saver.dead_after)
-        if self._local is not None:
-            found, result = self._restore_local(state, step, load_into, fallback)
-            if found:
-                return result
-        result = self.restore_with(
-            load_into, None if step is None else step_name(step), fallback=fallback
-        )
-        self.restored_tier = "persistent"
-        if self._local is not None:
-            log.warning(
-                "restore: step %s restored from the persistent tier %s: the local tier had no "
-                "step as new that it could restore",
-                self.restored_step,
-                self.root,
+        self.restored_tier = None
+        if self._local is None:
+            return self.restore_with(
+                load_into, None if step is None else step_name(step), fallback=fallback
             )
-        return result
-
-    def _restore_local(
-        self,
-        state: Any,
-        step: int | None,
-        load_into: Callable[[str, Deliveries | None], Any],
-        fallback: bool,
-    ) -> tuple[bool, Any]:
-        """Restore from the local tier when it holds a step, complete across the surviving
-        places, at least as new as the newest persistent one; ``(False, None)`` otherwise."""
         local = self._local
-        assert local is not None
         self._settle()
         local.settle()
         inv = local_restore.inventory(local.view)
-        steps: list[str] = inv["steps"]
+        held: list[str] = inv["steps"]  # complete across the surviving places, newest first
+        tried: set[str] = set()
+
+        def local_from(floor: int | None) -> tuple[bool, Any]:
+            """The local steps not tried yet and at least as new as ``floor`` (None: any)."""
+            names = [
+                n
+                for n in held
+                if n not in tried and (floor is None or (parse_step(n) or 0) >= floor)
+            ]
+            tried.update(names)
+            return self._restore_local(inv, names, held, state, load_into, fallback)
+
         if step is not None:
-            steps = [n for n in steps if n == step_name(step)]
+            held = [n for n in held if n == step_name(step)]
+            found, result = local_from(None)
+            if found:
+                return result
+            result = self.restore_with(load_into, step_name(step), fallback=fallback)
         else:
-            comm = self._saver.comm()
-            order = self._dir.restore_order() if comm.is_coordinator else None
-            order = comm.broadcast(order)
-            damaged = self._dir.damaged() if comm.is_coordinator else {}
-            damaged = comm.broadcast(damaged)
-            newest = next((n for n in order or [] if n not in damaged), None)
-            floor = parse_step(newest) if newest is not None else None
-            steps = [n for n in steps if floor is None or (parse_step(n) or 0) >= floor]
+            # the local tier first when it holds a step at least as new as the newest
+            # persistent one; when persistent steps then turn out damaged, the local steps
+            # newer than the next one are tried before it
+            found, result = local_from(self._newest_unmarked())
+            if found:
+                return result
+            result = self._restore_in_order(load_into, fallback, local_from)
+            if self.restored_tier == "local":
+                return result
+        log.warning(
+            "restore: step %s restored from the persistent tier %s: the local tier had no "
+            "step as new that it could restore",
+            self.restored_step,
+            self.root,
+        )
+        return result
+
+    def _newest_unmarked(self) -> int | None:
+        """The coordinator's newest persistent step without a damage mark, on every rank."""
+        comm = self._saver.comm()
+        order = self._dir.restore_order() if comm.is_coordinator else None
+        order = comm.broadcast(order)
+        damaged = self._dir.damaged() if comm.is_coordinator else {}
+        damaged = comm.broadcast(damaged)
+        newest = next((n for n in order or [] if n not in damaged), None)
+        return parse_step(newest) if newest is not None else None
+
+    def _restore_local(
+        self,
+        inv: dict[str, Any],
+        steps: list[str],
+        held: list[str],
+        state: Any,
+        load_into: Callable[[str, Deliveries | None], Any],
+        fallback: bool,
+    ) -> tuple[bool, Any]:
+        """Restore the first of the local ``steps`` that loads (``held``: every step the
+        inventory ``inv`` found complete); ``(False, None)`` when none does."""
+        local = self._local
+        assert local is not None
         for index, name in enumerate(steps):
             try:
                 result = local_restore.restore(local.view, name, inv, state, load_into)
@@ -526,10 +552,11 @@ class CheckpointManager:
                 continue
             self._restored = name
             self.restored_tier = "local"
-            (log.warning if index > 0 else log.info)(
+            newest = held[0]
+            (log.warning if name != newest else log.info)(
                 "restore: step %s restored from the local tier%s",
                 parse_step(name),
-                f", not its newest step {parse_step(steps[0])}" if index > 0 else "",
+                f", not its newest step {parse_step(newest)}" if name != newest else "",
             )
             return True, result
         return False, None
@@ -551,12 +578,27 @@ class CheckpointManager:
             self._restored = name
             self.restored_tier = "persistent"
             return result
+        return self._restore_in_order(load_fn, fallback)
+
+    def _restore_in_order(
+        self,
+        load_fn: Callable[[str], Any],
+        fallback: bool,
+        local_from: Callable[[int | None], tuple[bool, Any]] | None = None,
+    ) -> Any:
+        """The persistent steps in restore order, each after ``local_from(its step)``: the
+        local tier's steps at least as new that were not tried yet (then any left, before
+        giving up)."""
         candidates = self._candidates()
         comm = self._saver.comm()
         marks = comm.broadcast(self._dir.damaged() if comm.is_coordinator else None) or {}
         failures: list[str] = []
         skipped: list[str] = []
         for index, candidate in enumerate(candidates):
+            if local_from is not None:
+                found, result = local_from(parse_step(candidate))
+                if found:
+                    return result
             path = self._dir.path(candidate)
             if candidate in marks:
                 log.warning(
@@ -593,6 +635,7 @@ class CheckpointManager:
                 skipped.append(f"{candidate}: deleted while it was read")
                 continue
             self._restored = candidate
+            self.restored_tier = "persistent"
             if candidate in marks:
                 log.warning("restore: %s restored and verified: its damage mark is cleared", path)
                 if comm.is_coordinator and not self.read_only:
@@ -610,6 +653,10 @@ class CheckpointManager:
             else:
                 log.info("restore: restored %s from the persistent tier", candidate)
             return result
+        if local_from is not None:
+            found, result = local_from(None)
+            if found:
+                return result
         if not failures:
             raise CheckpointNotFoundError(
                 f"every committed checkpoint under {self.root} was deleted while it was read: "

@@ -355,22 +355,37 @@ def _optim_snapshot(model, opt, sched):
     }
 
 
-def _optim_generation(rank, world, root, steps):
-    """The README's resume loop with model, Adam and an LR scheduler under tensor parallelism:
-    fc1's columns split over the ranks (its output gathered, so every layout does the same
-    float operations), fc2 replicated. Nothing but ``manager.restore`` restores them."""
+def _tp_adam(world, hidden):
+    """The model (fc1's columns split over the ranks, its output gathered so that every
+    layout does the same float operations; fc2 replicated), Adam and a step scheduler."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from shardsafe.integrations import OptimizerState
-
-    model = Net(hidden=8)
+    model = Net(hidden=hidden)
     model.drop.p = 0.0
     if world > 1:
         plan = {"fc1": ColwiseParallel(output_layouts=Replicate())}
         parallelize_module(model, _mesh(world), plan)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def _adam_step(model, opt, sched, step):
+    """One step on the whole batch, as two micro-batches."""
+    opt.zero_grad()
+    for half in (0, 1):
+        (_half_loss(model, step, half) * 0.5).backward()
+    opt.step()
+    sched.step()
+
+
+def _optim_generation(rank, world, root, steps):
+    """The README's resume loop with model, Adam and an LR scheduler under tensor parallelism:
+    fc1's columns split over the ranks (its output gathered, so every layout does the same
+    float operations), fc2 replicated. Nothing but ``manager.restore`` restores them."""
+    from shardsafe.integrations import OptimizerState
+
+    model, opt, sched = _tp_adam(world, 8)
     state = {"model": model, "optim": OptimizerState(opt, model), "sched": sched, "step": 0}
     manager = CheckpointManager(root, keep_last=2)
     loaded = None
@@ -379,11 +394,7 @@ def _optim_generation(rank, world, root, steps):
         loaded = _optim_snapshot(model, opt, sched)
     first = state["step"] + 1
     for step in range(first, first + steps):
-        opt.zero_grad()
-        for half in (0, 1):
-            (_half_loss(model, step, half) * 0.5).backward()
-        opt.step()
-        sched.step()
+        _adam_step(model, opt, sched, step)
         state["step"] = step
     manager.save(state["step"], state)  # the state restore returned saves again as built
     manager.close()
@@ -442,19 +453,10 @@ def _local_tier_generation(rank, world, root, gen, hosts, last, kill):
     nothing)."""
     import signal
 
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
     from shardsafe.errors import CheckpointError, CheckpointNotFoundError
     from shardsafe.integrations import OptimizerState
 
-    model = Net(hidden=HIDDEN)
-    model.drop.p = 0.0
-    if world > 1:
-        plan = {"fc1": ColwiseParallel(output_layouts=Replicate())}
-        parallelize_module(model, _mesh(world), plan)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, sched = _tp_adam(world, HIDDEN)
     manager = CheckpointManager(
         f"{root}/persistent",
         local_root=f"{root}/local/{hosts[rank]}",
@@ -481,11 +483,7 @@ def _local_tier_generation(rank, world, root, gen, hosts, last, kill):
     with open(f"{root}/restored-{gen}-{rank}.pkl", "wb") as f:
         pickle.dump(restored, f)
     for step in range(state["step"] + 1, last + 1):
-        opt.zero_grad()
-        for half in (0, 1):
-            (_half_loss(model, step, half) * 0.5).backward()
-        opt.step()
-        sched.step()
+        _adam_step(model, opt, sched, step)
         state["step"] = step
         manager.save(step, state)  # the state restore returned, saved as it was built
         if kill is not None and step == kill[1]:
@@ -502,17 +500,10 @@ def _local_tier_generation(rank, world, root, gen, hosts, last, kill):
 
 
 def _snapshots_of_an_uninterrupted_run(rank, world, steps):
-    model = Net(hidden=HIDDEN)
-    model.drop.p = 0.0
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, sched = _tp_adam(1, HIDDEN)
     out = {}
     for step in range(1, max(steps) + 1):
-        opt.zero_grad()
-        for half in (0, 1):
-            (_half_loss(model, step, half) * 0.5).backward()
-        opt.step()
-        sched.step()
+        _adam_step(model, opt, sched, step)
         if step in steps:
             out[step] = _optim_snapshot(model, opt, sched)
     return out
