@@ -619,7 +619,11 @@ def run_world(world: int, cfg: dict[str, Any], log: Callable[[str], None]) -> di
     # the local_every at which a local save should no longer wait for the previous one
     every = max(1, math.ceil(med(run["saves"]["local_verify0"]["total"]) / (cfg["step_ms"] / 1e3)))
     ranks = launch("task_steps", world, {**cfg, "local_every": every}, 900)
-    steps: dict[str, Any] = {"iters": ranks[0]["iters"], "idle": ranks[0]["idle"], "local_every": every}
+    steps: dict[str, Any] = {
+        "iters": ranks[0]["iters"],
+        "idle": ranks[0]["idle"],
+        "local_every": every,
+    }
     for mode in ("none", "local_every_step", "persistent_every_step", "local_every_n"):
         # per step, the slowest rank's time (the ranks step together through the all-reduce)
         per_step = [max(v) for v in zip(*(r[mode]["steps"] for r in ranks))]
