@@ -197,7 +197,7 @@ class CheckpointManager:
         return self._dir.path(step_name(step))
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending (as this process sees the directory now)."""
+        """Committed persistent steps, ascending (as this process sees the directory now)."""
         return [s for s in (parse_step(n) for n in self._dir.committed()) if s is not None]
 
     def latest_step(self) -> int | None:
