@@ -23,7 +23,15 @@ from shardsafe.format import Extent
 from shardsafe.peers import Copy, complete_steps, plan_copies, replica_peers
 from tests.distributed import RankFailure, preload_forkserver, run_ranks
 from tests.manifests import sealed
-from tests.tierstate import COLS, ROWS, reference, rows_of, state_of, train_step
+from tests.tierstate import (
+    COLS,
+    ROWS,
+    reference,
+    rows_of,
+    state_of,
+    train_and_save,
+    train_step,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -711,14 +719,7 @@ def _saves_both_tiers(rank: int, world: int, tmp: str, last: int) -> Any:
         persistent_every=2,
         dead_after=2.0,
     )
-    w = torch.zeros(ROWS // world, COLS, dtype=torch.float64)
-    m = torch.zeros_like(w)
-    state = state_of(rank, world, w, m, 0)
-    for step in range(1, last + 1):
-        train_step(w, m, rows_of(rank, world), step)
-        state["step"] = step
-        mgr.save(step, state)
-        mgr.wait()
+    train_and_save(mgr, last, rank, world)
     mgr.close()
     return None
 

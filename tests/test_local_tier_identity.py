@@ -17,7 +17,7 @@ import torch
 
 from shardsafe import CheckpointError, CheckpointManager
 from tests.distributed import run_ranks
-from tests.tierstate import COLS, ROWS, reference, rows_of, state_of, train_step
+from tests.tierstate import COLS, ROWS, reference, rows_of, state_of, train_and_save
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,18 +33,6 @@ def manager(persistent: Path | str, local: Path | str, host: str = "a", **kw: An
         dead_after=2.0,
         **kw,
     )
-
-
-def train(mgr: Any, last: int, rank: int = 0, world: int = 1) -> None:
-    """Steps 1..last from scratch, a local save each step."""
-    w = torch.zeros(ROWS // world, COLS, dtype=torch.float64)
-    m = torch.zeros_like(w)
-    state = state_of(rank, world, w, m, 0)
-    for step in range(1, last + 1):
-        train_step(w, m, rows_of(rank, world), step)
-        state["step"] = step
-        mgr.save(step, state)
-    mgr.wait()
 
 
 def restored(mgr: Any, rank: int = 0, world: int = 1) -> dict[str, Any]:
@@ -68,10 +56,10 @@ def local_steps(local: Path) -> list[str]:
 def test_two_runs_sharing_a_local_root_restore_and_keep_their_own_steps(tmp_path: Path) -> None:
     node = tmp_path / "local_nvme"
     first = manager(tmp_path / "first", node)
-    train(first, 5)  # local steps 4 and 5 kept
+    train_and_save(first, 5)  # local steps 4 and 5 kept
     first.close()
     second = manager(tmp_path / "second", node)
-    train(second, 2)  # fewer steps: the other run's are newer
+    train_and_save(second, 2)  # fewer steps: the other run's are newer
     second.close()
     again = manager(tmp_path / "second", node)
     got = restored(again)
@@ -94,11 +82,11 @@ def test_two_runs_sharing_a_local_root_restore_and_keep_their_own_steps(tmp_path
 def test_run_id_tells_runs_of_one_persistent_root_apart(tmp_path: Path) -> None:
     node = tmp_path / "local_nvme"
     old = manager(tmp_path / "ckpt", node, run_id="run-1")
-    train(old, 4)
+    train_and_save(old, 4)
     old.close()
     # the same persistent root started afresh under another run id: the old steps are not its
     new = manager(tmp_path / "ckpt", node, run_id="run-2")
-    train(new, 1)
+    train_and_save(new, 1)
     new.close()
     assert restored(manager(tmp_path / "ckpt", node, run_id="run-2"))["step"] == 1
     # a run id keeps the local steps of a run whose persistent root moved
@@ -115,7 +103,7 @@ def test_steps_of_an_earlier_version_are_neither_restored_nor_deleted(
     node = tmp_path / "local_nvme"
     # an earlier version wrote its local steps directly in the local root, naming no run
     earlier = manager(tmp_path / "ckpt", node)
-    train(earlier, 3)
+    train_and_save(earlier, 3)
     earlier.close()
     (run_dir,) = node.glob("run-*")
     for step in run_dir.glob("step_*"):
@@ -126,7 +114,7 @@ def test_steps_of_an_earlier_version_are_neither_restored_nor_deleted(
     with caplog.at_level(logging.WARNING, logger="shardsafe"):
         mgr = manager(tmp_path / "ckpt", node)
     assert "earlier shardsafe version" in caplog.text and "step_000000002" in caplog.text
-    train(mgr, 1)
+    train_and_save(mgr, 1)
     assert restored(mgr) == {"step": 1, "tier": "local", "exact": True}
     mgr.close()
     assert sorted(p.name for p in node.glob("step_*")) == legacy
@@ -153,7 +141,7 @@ def _two_hosts(rank: int, world: int, tmp: str, run: str, last: int) -> Any:
     host = "ab"[rank]
     mgr = manager(f"{tmp}/{run}", f"{tmp}/node-{host}", host)
     if last:
-        train(mgr, last, rank, world)
+        train_and_save(mgr, last, rank, world)
         mgr.close()
         return None
     got = restored(mgr, rank, world)

@@ -45,3 +45,16 @@ def state_of(rank: int, world: int, w: torch.Tensor, m: torch.Tensor, step: int)
         "optim": {"m": ShardedTensor.from_rank_offsets("optim.m", m, (0, rank, world))},
         "step": step,
     }
+
+
+def train_and_save(mgr: Any, last: int, rank: int = 0, world: int = 1) -> None:
+    """Steps 1..last from scratch, each saved through the manager ``mgr`` (both tiers as it
+    is configured), waiting for the last save."""
+    w = torch.zeros(ROWS // world, COLS, dtype=torch.float64)
+    m = torch.zeros_like(w)
+    state = state_of(rank, world, w, m, 0)
+    for step in range(1, last + 1):
+        train_step(w, m, rows_of(rank, world), step)
+        state["step"] = step
+        mgr.save(step, state)
+    mgr.wait()
