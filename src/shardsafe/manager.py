@@ -478,7 +478,8 @@ class CheckpointManager:
         self._settle()
         local.settle()
         inv = local_restore.inventory(local.view)
-        held: list[str] = inv["steps"]  # complete across the surviving places, newest first
+        # complete across the surviving places, newest first (an explicit step: that one only)
+        held: list[str] = [n for n in inv["steps"] if step is None or n == step_name(step)]
         tried: set[str] = set()
 
         def local_from(floor: int | None) -> tuple[bool, Any]:
@@ -492,7 +493,6 @@ class CheckpointManager:
             return self._restore_local(inv, names, held, state, load_into, fallback)
 
         if step is not None:
-            held = [n for n in held if n == step_name(step)]
             found, result = local_from(None)
             if found:
                 return result
