@@ -1220,11 +1220,14 @@ def run_cycle(
                 raise CycleFailure(
                     f"restart rank {r} left no result (exit code {p3.exit_codes[r]})"
                 )
-            if res.expected is None:  # nothing in reach: the run must be told, and start over
-                if not out.get("error", "").startswith("CheckpointNotFoundError"):
+            if res.expected is None:  # nothing in reach: the run must be told
+                # CheckpointNotFoundError where no step is complete in reach,
+                # CorruptCheckpointError where the steps in reach all failed to load
+                told = ("CheckpointNotFoundError", "CorruptCheckpointError")
+                if not out.get("error", "").startswith(told):
                     raise CycleFailure(
                         f"no step in reach, yet restart rank {r} did not raise "
-                        f"CheckpointNotFoundError: {_brief({r: out})}"
+                        f"CheckpointNotFoundError or CorruptCheckpointError: {_brief({r: out})}"
                     )
                 continue
             if "error" in out:

@@ -36,6 +36,8 @@ def test_verify_of_nothing_is_unreadable_input(tmp_path, capsys):
 def test_missing_s3_extra_names_the_install(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "s3fs", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "fsspec", None)
+    # imported already when an earlier test used object storage: import it again, without
+    monkeypatch.delitem(sys.modules, "shardsafe.storage.fsspec", raising=False)
     code = main(["inspect", "s3://bucket/ckpt"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and err.startswith("error: "), err

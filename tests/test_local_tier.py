@@ -752,3 +752,33 @@ def test_a_damaged_persistent_step_falls_back_to_a_newer_local_one(tmp_path: Pat
     assert all(r["tier"] == "local" for r in results), results
     check_exact(results, 3)
     assert (tmp_path / "persistent" / ".step_000000004.shardsafe-damaged").exists()
+
+
+def _restore_or_error(rank: int, world: int, tmp: str) -> Any:
+    try:
+        return _restore_both_tiers(rank, world, tmp)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_every_local_step_damaged_and_no_persistent_step_is_no_fresh_start(
+    tmp_path: Path,
+) -> None:
+    """Local step 1 only (persistent every 2nd), one file of it flipped on both hosts. A run
+    that resumes by catching CheckpointNotFoundError would start over on top of it: the
+    restore raises CorruptCheckpointError on every rank, naming the step and the damage."""
+    run_ranks(_saves_both_tiers, 2, str(tmp_path), 1, timeout=120)
+    assert not (tmp_path / "persistent").exists() or not any(
+        n.startswith("step_") for n in os.listdir(tmp_path / "persistent")
+    )
+    for host in ("a", "b"):
+        data = place(tmp_path, host) / "step_000000001" / "data"
+        victim = sorted(p for p in data.iterdir() if "00000" in p.name.split("-")[1])[0]
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        victim.write_bytes(bytes(raw))
+    errors = run_ranks(_restore_or_error, 2, str(tmp_path), timeout=120)
+    for e in errors:
+        assert isinstance(e, str) and e.startswith("CorruptCheckpointError"), errors
+        assert "local step 1:" in e and "new run_id" in e, e
+    assert (place(tmp_path, "a") / ".step_000000001.shardsafe-damaged").exists()

@@ -523,6 +523,55 @@ def test_neuron_dtensor_state_needs_the_integration(
     neuron.finalize_checkpoint()
 
 
+@pytest.mark.timeout(60)
+def test_a_run_that_saves_an_older_step_without_restoring_is_refused(tmp_path: Path) -> None:
+    """A script whose resume is broken trains from scratch into a root holding step 3:
+    retention keeps the newest step numbers, so its steps would go and a restore would bring
+    back the old run. Its first save is refused; a save of the newest step (a replacement)
+    or a newer one, a manager that restored, and a damaged newest step are let through."""
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for step in (1, 2, 3):
+            m.save(step, state(step))
+    fresh = CheckpointManager(tmp_path, async_save=False)
+    with pytest.raises(CheckpointError, match="holds committed step 3, and step 1 is being"):
+        fresh.save(1, state(1))
+    with pytest.raises(CheckpointError, match="restored nothing"):  # asked again, not once
+        fresh.save(2, state(2))
+    fresh.save(3, state(33))  # the same step: replaced, as save() says
+    fresh.save(4, state(4))
+    fresh.close()
+    resumed = CheckpointManager(tmp_path, async_save=False)
+    tmpl, t = template()
+    resumed.restore(tmpl, step=2)  # an explicit branch from an older step is the caller's
+    assert torch.equal(t, torch.full((16,), 2.0))
+    resumed.save(3, state(3))
+    resumed.close()
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m._dir.mark_damaged(step_name(4), "flipped")  # a failed restore marked it
+        m._dir.mark_damaged(step_name(3), "flipped")
+        m.save(2, state(2))
+
+
+def _refused_on_every_rank(rank: int, world: int, root: str) -> str:
+    m = CheckpointManager(root)
+    try:
+        m.save(1, state(rank))  # the common "step" differs, but the check comes first
+        m.wait()
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        m.close()
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_the_start_over_check_raises_on_every_rank(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(5, state(5))
+    errors = run_ranks(_refused_on_every_rank, 2, str(tmp_path), timeout=90)
+    assert all("holds committed step 5, and step 1" in e for e in errors), errors
+
+
 def _two_rank_manager(rank: int, world: int, root: str) -> dict:
     def sd(step: int) -> dict:
         piece = torch.full((8,), float(step * 10 + rank))

@@ -152,9 +152,9 @@ class CheckpointManager:
         self._pending: tuple[AsyncSaveHandle, Future[SaveStats]] | None = None
         self._closed = False
         self._restored: str | None = None
-        # a local save before any restore first checks that the run is not starting over
-        # on top of its own newer local steps (:meth:`_refuse_to_start_over`)
-        self._local_checked = False
+        # a first save before any restore checks that the run is not starting over on top
+        # of its own newer steps (:meth:`_refuse_to_start_over`)
+        self._start_checked = False
         self.restored_tier: str | None = None
         """``"local"`` or ``"persistent"``: where the last :meth:`restore` read from."""
         self.local_every = local_every
@@ -226,6 +226,8 @@ class CheckpointManager:
 
         Waits first for this manager's previous save (its failure stays on its handle). An
         existing checkpoint of the same step is replaced, intact until the new one commits.
+        The first save of a manager that restored nothing raises :class:`CheckpointError` when
+        the run already holds a newer step (see :meth:`_refuse_to_start_over`).
         Returns an :class:`AsyncSaveHandle` with ``async_save``, else the :class:`SaveStats`.
         A failure to update the pointer after a successful commit is raised (or set on the
         handle) on the coordinator only, since only it writes the pointer.
@@ -238,12 +240,13 @@ class CheckpointManager:
         """
         local = None
         persistent = step % self.persistent_every == 0
+        due = persistent or (self._local is not None and step % self.local_every == 0)
+        if due and not self._start_checked and self._restored is None and not self.read_only:
+            self._refuse_to_start_over(step)
         if self._local is not None and step % self.local_every == 0:
             if self._closed:
                 raise CheckpointError(f"the CheckpointManager of {self.root} is closed")
             name = step_name(step)
-            if not self._local_checked and self._restored is None:
-                self._refuse_to_start_over(step)
             drain = None
             if persistent and self.drain:
                 self._settle()
@@ -278,25 +281,44 @@ class CheckpointManager:
         )
 
     def _refuse_to_start_over(self, step: int) -> None:
-        """Collective, before this manager's first local save when it restored nothing: a
-        run that saves ``step`` while its local tier already holds a committed step at least
-        as new has started over without restoring (a resume decided by :meth:`latest_step`,
-        which reads the persistent tier only, does that when no persistent step exists yet).
-        Saving on would mix two trainings in one run: retention keeps the newest step
-        numbers, the old run's, and a restore would go back to them."""
+        """Collective, before this manager's first save when it restored nothing: a run that
+        saves ``step`` while its persistent tier holds a newer committed step, or its local
+        tier one at least as new, has started over without restoring (a resume decided by
+        :meth:`latest_step`, which reads the persistent tier only, does that when no
+        persistent step exists yet; a script whose resume is broken does it anywhere). Saving
+        on would mix two trainings in one run: retention keeps the newest step numbers, the
+        old run's, and a restore would go back to them. Steps marked damaged do not count (a
+        restore that failed on every step said so; starting over then is the caller's call).
+        An existing step of the same number is replaced as :meth:`save` says."""
+        comm = self._saver.comm()
         local = self._local
-        assert local is not None
 
-        def newest() -> int | None:
-            marked = local.dir.damaged()
-            found = [parse_step(n) for n in local.dir.committed() if n not in marked]
+        def newest(d: CheckpointDirectory) -> int | None:
+            marked = d.damaged()
+            found = [parse_step(n) for n in d.committed() if n not in marked]
             return max((s for s in found if s is not None), default=None)
 
-        mine, err = outcome(newest) if local.leader else (None, None)
-        seen = local.comm.all_gather((local.host, mine, err))
-        raise_for([e for _, _, e in seen], "the local tier's check of its steps")
+        ours, err = outcome(lambda: newest(self._dir)) if comm.is_coordinator else (None, None)
+        if local is None:
+            ours, err = comm.broadcast((ours, err))
+            raise_for([err], "the check of this run's committed steps")
+            seen: list[tuple[str, int | None, Any]] = []
+        else:
+            mine, lerr = outcome(lambda: newest(local.dir)) if local.leader else (None, None)
+            gathered = local.comm.all_gather((local.host, mine, lerr or err, ours))
+            raise_for([e for _, _, e, _ in gathered], "the check of this run's committed steps")
+            ours = gathered[0][3]
+            seen = [(host, s, e) for host, s, e, _ in gathered]
+        if ours is not None and ours > step:
+            raise CheckpointError(
+                f"{self.root} holds committed step {ours}, and step {step} is being saved by "
+                "a manager that restored nothing: a run that resumes calls "
+                "manager.restore(state) before training; to start a run over, save it under "
+                "another root or delete the newer steps"
+            )
         clash = {host: s for host, s, _ in seen if s is not None and s >= step}
         if clash:
+            assert local is not None
             newer = max(clash.values())
             hosts = sorted(clash)
             where = ", ".join(hosts[:4]) + (f" and {len(hosts) - 4} more" if len(hosts) > 4 else "")
@@ -309,7 +331,7 @@ class CheckpointManager:
                 "the persistent tier only); to start the run over, give it a new run_id or "
                 "delete those local steps"
             )
-        self._local_checked = True
+        self._start_checked = True
 
     def _save_named(
         self,
@@ -447,8 +469,9 @@ class CheckpointManager:
         (``.<name>.shardsafe-damaged`` beside it, kept for inspection) so that later restores
         try it last, and a warning names the step, the reason and the step used instead.
         An explicit ``step`` is never replaced by another. Raises
-        :class:`CheckpointNotFoundError` when there is no committed step, and
-        :class:`CorruptCheckpointError` when every step failed (naming each and why).
+        :class:`CheckpointNotFoundError` when there is no committed step in reach, and
+        :class:`CorruptCheckpointError` when every step failed, in either tier (naming each
+        and why).
         """
 
         def load_into(path: str, delivered: Deliveries | None = None) -> Any:
@@ -481,6 +504,7 @@ class CheckpointManager:
         # complete across the surviving places, newest first (an explicit step: that one only)
         held: list[str] = [n for n in inv["steps"] if step is None or n == step_name(step)]
         tried: set[str] = set()
+        damaged: list[str] = []  # "local step N: why", for the error when nothing restores
 
         def local_from(floor: int | None) -> tuple[bool, Any]:
             """The local steps not tried yet and at least as new as ``floor`` (None: any)."""
@@ -490,13 +514,21 @@ class CheckpointManager:
                 if n not in tried and (floor is None or (parse_step(n) or 0) >= floor)
             ]
             tried.update(names)
-            return self._restore_local(inv, names, held, state, load_into, fallback)
+            return self._restore_local(inv, names, held, state, load_into, fallback, damaged)
 
         if step is not None:
             found, result = local_from(None)
             if found:
                 return result
-            result = self.restore_with(load_into, step_name(step), fallback=fallback)
+            try:
+                result = self.restore_with(load_into, step_name(step), fallback=fallback)
+            except CheckpointNotFoundError as e:
+                if not damaged:
+                    raise
+                raise CorruptCheckpointError(
+                    f"step {step} could not be restored: {damaged[0]}; and the persistent "
+                    f"tier: {e}"
+                ) from None
         else:
             # the local tier first when it holds a step at least as new as the newest
             # persistent one; when persistent steps then turn out damaged, the local steps
@@ -504,7 +536,7 @@ class CheckpointManager:
             found, result = local_from(self._newest_unmarked())
             if found:
                 return result
-            result = self._restore_in_order(load_into, fallback, local_from)
+            result = self._restore_in_order(load_into, fallback, local_from, damaged)
             if self.restored_tier == "local":
                 return result
         log.warning(
@@ -533,9 +565,11 @@ class CheckpointManager:
         state: Any,
         load_into: Callable[[str, Deliveries | None], Any],
         fallback: bool,
+        damaged: list[str],
     ) -> tuple[bool, Any]:
         """Restore the first of the local ``steps`` that loads (``held``: every step the
-        inventory ``inv`` found complete); ``(False, None)`` when none does."""
+        inventory ``inv`` found complete); ``(False, None)`` when none does, each step's
+        damage appended to ``damaged``."""
         local = self._local
         assert local is not None
         for index, name in enumerate(steps):
@@ -545,6 +579,7 @@ class CheckpointManager:
                 if not fallback or not is_damaged_checkpoint(e):
                     raise  # only proven damage moves on (an unreadable file is no proof)
                 local.mark_damaged(name, str(e))
+                damaged.append(f"local step {parse_step(name)}: {e}")
                 nxt = steps[index + 1] if index + 1 < len(steps) else "the persistent tier"
                 log.warning(
                     "restore: local step %s could not be restored (%s); trying %s", name, e, nxt
@@ -585,11 +620,15 @@ class CheckpointManager:
         load_fn: Callable[[str], Any],
         fallback: bool,
         local_from: Callable[[int | None], tuple[bool, Any]] | None = None,
+        local_damaged: list[str] | None = None,
     ) -> Any:
         """The persistent steps in restore order, each after ``local_from(its step)``: the
         local tier's steps at least as new that were not tried yet (then any left, before
-        giving up)."""
-        candidates = self._candidates()
+        giving up). ``local_damaged`` (filled by ``local_from``): the local steps that failed,
+        which make the final error a :class:`CorruptCheckpointError` too: a run told that
+        nothing exists would start over on top of its damaged steps."""
+        local_damaged = [] if local_damaged is None else local_damaged
+        candidates = self._candidates(required=local_from is None)
         comm = self._saver.comm()
         marks = comm.broadcast(self._dir.damaged() if comm.is_coordinator else None) or {}
         failures: list[str] = []
@@ -657,15 +696,23 @@ class CheckpointManager:
             found, result = local_from(None)
             if found:
                 return result
-        if not failures:
+        failures = local_damaged + failures
+        if not failures and skipped:
             raise CheckpointNotFoundError(
                 f"every committed checkpoint under {self.root} was deleted while it was read: "
                 + "; ".join(skipped)
             )
+        if not failures:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {self.root} nor in the local tier"
+            )
         raise CorruptCheckpointError(
-            f"no committed checkpoint under {self.root} could be restored: "
+            f"no committed checkpoint of this run could be restored ({self.root}"
+            + (" and the local tier" if local_from is not None else "")
+            + "): "
             + "; ".join(failures)
-            + " (the files are kept; `shardsafe verify` shows what is wrong)"
+            + " (the files are kept, marked damaged; `shardsafe verify` shows what is wrong; "
+            "to start the run over anyway, give it a new run_id or delete those steps)"
         )
 
     def _load_settled(self, load_fn: Callable[[str], Any], name: str) -> Any:
@@ -692,15 +739,16 @@ class CheckpointManager:
                 )
         raise AssertionError("unreachable")
 
-    def _candidates(self) -> list[str]:
-        """The coordinator's restore order, the same on every rank."""
+    def _candidates(self, required: bool = True) -> list[str]:
+        """The coordinator's restore order, the same on every rank (``required``: raise
+        :class:`CheckpointNotFoundError` when it is empty)."""
         self._settle()
         comm = self._saver.comm()
         order = self._dir.restore_order() if comm.is_coordinator else None
         order = comm.broadcast(order)
-        if not order:
+        if not order and required:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
-        return [str(n) for n in order]
+        return [str(n) for n in order or []]
 
     def _agree_damaged(self, name: str) -> None:
         """Every rank raised the same error (loads gather them), so every rank falls back;
