@@ -526,8 +526,7 @@ class CheckpointManager:
                 if not damaged:
                     raise
                 raise CorruptCheckpointError(
-                    f"step {step} could not be restored: {damaged[0]}; and the persistent "
-                    f"tier: {e}"
+                    f"step {step} could not be restored: {damaged[0]}; and the persistent tier: {e}"
                 ) from None
         else:
             # the local tier first when it holds a step at least as new as the newest
