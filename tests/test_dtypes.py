@@ -50,3 +50,23 @@ def test_dtype_round_trip_resharded(tmp_path, dtype):
 def test_float8_family_is_covered():
     names = {str(d) for d in supported_dtypes()}
     assert {"torch.float8_e4m3fn", "torch.float8_e5m2", "torch.bfloat16", "torch.bool"} <= names
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_lazily_conjugated_and_negated_views_store_their_values(tmp_path, mode):
+    """``t.conj()`` and ``torch._neg_view`` only set a bit; their bytes are resolved first."""
+    c = torch.complex(torch.arange(12.0), torch.arange(12.0) + 0.5)
+    state = {"c": c.conj(), "n": torch._neg_view(torch.arange(4.0))}
+    saver = shardsafe.Saver()
+    try:
+        if mode == "save":
+            saver.save(state, tmp_path / "ck")
+        else:
+            saver.async_save(state, tmp_path / "ck").result()
+    finally:
+        saver.close()
+    out = shardsafe.load(
+        {"c": torch.zeros(12, dtype=torch.complex64), "n": torch.zeros(4)}, tmp_path / "ck"
+    )
+    assert torch.equal(out["c"], c.conj().resolve_conj())
+    assert torch.equal(out["n"], -torch.arange(4.0))

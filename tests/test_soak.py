@@ -78,7 +78,8 @@ def test_a_host_killed_in_namespaces_recovers_exactly(tmp_path: Path) -> None:
 
 
 def _waits_of_a_tiered_save(rank: int, world: int, tmp: str) -> list[tuple[str, float]]:
-    """Every ``Comm.arrive`` of a manager's save to both tiers: its stage and ``dead_after``."""
+    """Every arrival (``Comm.arrive``, ``Comm.vote``) of a manager's save to both tiers: its
+    stage and ``dead_after``."""
     import torch
 
     import shardsafe.dist
@@ -86,13 +87,13 @@ def _waits_of_a_tiered_save(rank: int, world: int, tmp: str) -> list[tuple[str, 
     from tests.tierstate import COLS, ROWS, state_of
 
     seen: list[tuple[str, float]] = []
-    original = shardsafe.dist.Comm.arrive
+    original = shardsafe.dist.Comm._arrive
 
-    def arrive(self: Any, stage: str, timeout: float, dead_after: float = 10.0) -> None:
+    def arrive(self: Any, stage: str, timeout: float, dead_after: float, voting: Any) -> Any:
         seen.append((stage, dead_after))
-        original(self, stage, timeout, dead_after)
+        return original(self, stage, timeout, dead_after, voting)
 
-    shardsafe.dist.Comm.arrive = arrive  # type: ignore[method-assign]
+    shardsafe.dist.Comm._arrive = arrive  # type: ignore[method-assign]
     host = f"h{rank}"
     mgr = CheckpointManager(
         f"{tmp}/persistent", local_root=f"{tmp}/local/{host}", node_id=host, dead_after=3.0

@@ -117,9 +117,36 @@ def test_big_transposed_tensor_is_cut_into_slabs_of_the_bound():
     assert sizes == [64 << 10] * 12  # 32 rows of 2 KiB per slab
 
 
+def _contiguous() -> list[torch.Tensor]:
+    """What a state hands staging whole: parameters, odd dtypes, lazily conjugated views."""
+    c = torch.complex(torch.arange(12.0), torch.arange(12.0) + 0.5)
+    return [
+        torch.nn.Parameter(torch.randn(7, 5), requires_grad=True),
+        torch.arange(33, dtype=torch.bfloat16),
+        torch.arange(10, dtype=torch.float32).to(torch.float8_e4m3fn),
+        torch.arange(9) % 2 == 0,
+        c,
+        c.conj(),  # a conjugate bit: its bytes are the conjugate's
+        torch._neg_view(torch.arange(6.0)),
+        torch.tensor(3.5),
+        torch.empty(0),
+    ]
+
+
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 30])  # through torch's pool / on this thread
+def test_pool_stages_whole_tensors_exactly_either_way(inline_bytes):
+    pool = StagingPool(inline_bytes=inline_bytes)
+    tensors = _contiguous()
+    staged = pool.stage(tensors)
+    assert [bytes(i.ready()) for i in staged] == [
+        _c_bytes(t.resolve_conj().resolve_neg()) for t in tensors
+    ]
+
+
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 30])
 @pytest.mark.parametrize("slab_bytes", [8, 1 << 20])
-def test_pool_stages_cpu_views_through_the_slab_code(slab_bytes):
-    pool = StagingPool(slab_bytes=slab_bytes)
+def test_pool_stages_cpu_views_through_the_slab_code(slab_bytes, inline_bytes):
+    pool = StagingPool(slab_bytes=slab_bytes, inline_bytes=inline_bytes)
     views = list(_views().values())
     staged = pool.stage(views)
     for t, item in zip(views, staged, strict=True):

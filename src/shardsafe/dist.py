@@ -72,19 +72,51 @@ class Comm:
         own timeout; a rank that is alive but slow is waited for up to ``timeout`` s, then
         named as absent. Every rank must call the same stages in the same order.
         """
+        if self.distributed:
+            self._arrive(stage, timeout, dead_after, None)
+
+    def vote(
+        self,
+        stage: str,
+        ballot: Any,
+        tally: Callable[[list[Any]], Any],
+        timeout: float,
+        dead_after: float = DEAD_AFTER,
+    ) -> Any:
+        """:meth:`arrive` that counts a vote on the way: ``tally`` of every rank's ``ballot``
+        (JSON values; group rank order), the same on every rank.
+
+        Each ballot rides in its rank's arrival key; the last rank to arrive reads them all
+        (one ``multi_get``) and ends the wait with the tally instead of "1". One round
+        through the store instead of an arrival and an all-gather after it, and each rank
+        reads the tally only (the store serves N small writes, one read of N keys and N
+        reads of the tally: no N x N). ``tally`` must be deterministic; one that raises is
+        raised on every rank."""
         if not self.distributed:
-            return
+            try:
+                return tally([ballot])
+            except Exception as e:
+                raise _TallyFailed(error_record(e), stage) from e
+        return self._arrive(stage, timeout, dead_after, (ballot, tally))
+
+    def _arrive(
+        self,
+        stage: str,
+        timeout: float,
+        dead_after: float,
+        voting: tuple[Any, Callable[[list[Any]], Any]] | None,
+    ) -> Any:
         store = _store()
         try:
             beat = _heartbeat(store)
 
-            def wait() -> None:
+            def wait() -> Any:
                 base = f"shardsafe/arrive/{_group_tag(self)}/{self._next_sequence(store)}"
-                self._wait_for_all(store, beat, base, stage, timeout, dead_after)
+                return self._wait_for_all(store, beat, base, stage, timeout, dead_after, voting)
 
             # in a thread of its own: a frozen store never answers, and this one says so
-            beat.call(wait, self.rank, f"waiting for '{stage}'", dead_after_of(dead_after))
-        except DistributedError:
+            return beat.call(wait, self.rank, f"waiting for '{stage}'", dead_after_of(dead_after))
+        except (DistributedError, _TallyFailed):
             raise
         except Exception as e:  # the store itself is gone: its host process died
             raise DistributedError(
@@ -100,15 +132,26 @@ class Comm:
         return int(store.add(f"shardsafe/arrivals/{_group_tag(self)}/r{self.rank}", 1))
 
     def _wait_for_all(
-        self, store: Any, beat: Heartbeat, base: str, stage: str, timeout: float, dead_after: float
-    ) -> None:
-        """The last rank to arrive sets ``all`` to "1", or this process's heartbeat thread sets
-        it to the verdict on a rank that stopped beating; everyone blocks in the store's
-        ``wait`` for it and reads which of the two it holds."""
-        store.set(f"{base}/r{self.rank}", stage)
+        self,
+        store: Any,
+        beat: Heartbeat,
+        base: str,
+        stage: str,
+        timeout: float,
+        dead_after: float,
+        voting: tuple[Any, Callable[[list[Any]], Any]] | None = None,
+    ) -> Any:
+        """The last rank to arrive sets ``all`` to "1" (with ``voting``: to the tally of the
+        ballots), or this process's heartbeat thread sets it to the verdict on a rank that
+        stopped beating; everyone blocks in the store's ``wait`` for it and reads which it
+        holds. Returns the tally (None without ``voting``)."""
+        arrival = stage if voting is None else json.dumps({"stage": stage, "ballot": voting[0]})
+        store.set(f"{base}/r{self.rank}", arrival)
         done = f"{base}/all"
         if int(store.add(f"{base}/count", 1)) == self.world_size:
-            store.compare_set(done, "", "1")
+            store.compare_set(
+                done, "", "1" if voting is None else _tally(store, base, self.world_size, voting[1])
+            )
         others = [r for r in range(self.world_size) if r != self.rank]
         handle = beat.watch(
             Watch(
@@ -138,11 +181,10 @@ class Comm:
                 raise
         finally:
             beat.unwatch(handle)
-        ended = bytes(store.get(done)).decode()
-        if ended != "1":
-            verdict = json.loads(ended)
+        ended = json.loads(bytes(store.get(done)).decode())
+        if isinstance(ended, dict) and "message" in ended:  # a verdict
             raise DistributedError(
-                f"rank {self.rank}: {verdict['message']}", {int(verdict["rank"]): "dead"}
+                f"rank {self.rank}: {ended['message']}", {int(ended["rank"]): "dead"}
             )
         if int(store.add(f"{base}/done", 1)) == self.world_size:
             for key in [f"{base}/r{r}" for r in range(self.world_size)] + [
@@ -152,6 +194,11 @@ class Comm:
             ]:
                 with contextlib.suppress(Exception):
                     store.delete_key(key)
+        if voting is None:
+            return None
+        if "failed" in ended:
+            raise _TallyFailed(ended["failed"], stage)
+        return ended["tally"]
 
     def with_peers(
         self,
@@ -331,6 +378,28 @@ class Comm:
     def members(self) -> list[int]:
         """The group's global ranks, by group rank."""
         return [self.global_rank(r) for r in range(self.world_size)]
+
+
+class _TallyFailed(CheckpointError):
+    """The tally of a :meth:`Comm.vote` raised on the rank that counted it."""
+
+    def __init__(self, record: dict[str, Any], stage: str) -> None:
+        super().__init__(f"counting the votes of '{stage}' failed: {_with_origin(record)}")
+
+
+def _tally(store: Any, base: str, world_size: int, tally: Callable[[list[Any]], Any]) -> str:
+    """The last arrival's count of a vote: every ballot in one read, then ``tally``; its
+    failure is the result too (every rank raises it), never a wait that does not end."""
+    keys = [f"{base}/r{r}" for r in range(world_size)]
+    try:
+        try:
+            raw = store.multi_get(keys)
+        except (NotImplementedError, AttributeError):  # a store without it
+            raw = [store.get(k) for k in keys]
+        ballots = [json.loads(bytes(v).decode())["ballot"] for v in raw]
+        return json.dumps({"tally": tally(ballots)})
+    except Exception as e:
+        return json.dumps({"failed": error_record(e)})
 
 
 def _group_tag(comm: Comm) -> str:

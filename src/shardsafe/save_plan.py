@@ -5,12 +5,15 @@ Every rank applies factories, splits off the common state and describes its piec
 identically, are digested and compared. The coordinator validates the union and picks one
 writer per unique piece, balanced by bytes over the replicas. A cached plan
 (:class:`PlanCache`) is reused when every rank's full local structure is unchanged, agreed
-with one tiny all-gather. The coordinator also takes the save's lease
+in the planning vote. The coordinator also takes the save's lease
 (:func:`shardsafe.save_target.begin`), and so does each other rank that publishes in a place
 of its own (``leads_place``: the local tier's place leaders) when the save's token is known
 ahead: the coordinator draws the next save's token in each planning vote, so from the second
-save on those leases ride on planning's all-gather instead of needing one more. Errors of any
-rank reach every rank.
+save on those leases ride on the planning vote instead of needing one more. The vote is one
+round through the store (:meth:`Comm.vote`): each rank's ballot rides in its arrival, the last
+to arrive counts them (:func:`tally_planning`), and every rank reads the count; a cache miss
+adds a gather and a scatter of the plans, diverging replicas an all-gather of their digests.
+Errors of any rank reach every rank.
 """
 
 from __future__ import annotations
@@ -260,8 +263,8 @@ def plan_save(
 
     def agree() -> PlannedSave:
         nonlocal lease
-        comm.arrive("save planning", timeout, dead_after)
-        votes = comm.all_gather(
+        vote = comm.vote(
+            "save planning",
             {
                 "cached": candidate,
                 "error": err,
@@ -269,25 +272,28 @@ def plan_save(
                 "digest": combined(digests),
                 "ahead": ahead,
                 "next": uuid.uuid4().hex[:16] if comm.is_coordinator else None,
-            }
+            },
+            tally_planning,
+            timeout,
+            dead_after,
         )
         if cache is not None:
-            cache.next_token = votes[0]["next"]
-        errors = [v["error"] for v in votes]
-        if not any(errors) and len({v["digest"] for v in votes}) > 1:
+            cache.next_token = vote["next"]
+        errors = vote["errors"] or [None] * comm.world_size
+        if not any(errors) and not vote["digests_agree"]:
             every = comm.all_gather(digests)
             errors = [error_record(ValidationError(divergence(every) or "state differs"))] * len(
-                votes
+                errors
             )
         raise_for(errors, "save planning")
-        agreed = votes[0]["token"]
-        begun = all(v["ahead"] == agreed for v in votes)
+        agreed = vote["token"]
+        begun = vote["begun"]
         if not begun and lease is not None and not comm.is_coordinator:
             abort(loc, token, lease)  # taken under a token the others do not share: not this save's
             lease = None
         assert prepared is not None
         split, local_plan = prepared
-        if candidate is not None and all(v["cached"] == candidate for v in votes):
+        if candidate is not None and vote["cached"] == candidate:
             assert cache is not None and cache.entry is not None
             cache.hits += 1
             return PlannedSave(
@@ -333,6 +339,25 @@ def plan_save(
         if lease is not None:
             abort(loc, token, lease)
         raise
+
+
+def tally_planning(ballots: list[dict[str, Any]]) -> dict[str, Any]:
+    """The planning vote's outcome, counted once (see :meth:`Comm.vote`): every rank's error
+    (None when none failed), the coordinator's token and the next save's, the plan id when
+    every rank has the same one cached, whether the replica digests agree, and whether every
+    rank planned under the token the coordinator drew ahead (their place leases are then
+    this save's)."""
+    first = ballots[0]
+    errors = [b["error"] for b in ballots]
+    cached = first["cached"]
+    return {
+        "errors": errors if any(errors) else None,
+        "token": first["token"],
+        "next": first["next"],
+        "cached": cached if all(b["cached"] == cached for b in ballots) else None,
+        "digests_agree": len({b["digest"] for b in ballots}) == 1,
+        "begun": all(b["ahead"] == first["token"] for b in ballots),
+    }
 
 
 def check_content_metadata(content_metadata: Mapping[str, Any] | None) -> None:

@@ -1,0 +1,51 @@
+"""Comm.vote: an arrival that counts every rank's ballot once and hands each rank the count."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from distributed import run_ranks
+
+from shardsafe import CheckpointError
+from shardsafe.dist import Comm, get_comm
+
+
+def _tally(ballots: list[Any]) -> dict[str, Any]:
+    return {"order": [b["rank"] for b in ballots], "sum": sum(b["n"] for b in ballots)}
+
+
+def _broken(ballots: list[Any]) -> Any:
+    raise ValueError(f"cannot count {len(ballots)} ballots")
+
+
+def _votes(rank: int, world: int) -> dict[str, Any]:
+    comm = get_comm()
+    out: dict[str, Any] = {}
+    out["first"] = comm.vote("first", {"rank": rank, "n": 10**rank}, _tally, 60.0, 5.0)
+    comm.arrive("between", 60.0, 5.0)  # arrivals and votes share one sequence
+    out["gathered"] = comm.all_gather(rank)
+    out["second"] = comm.vote("second", {"rank": rank, "n": rank}, _tally, 60.0, 5.0)
+    try:
+        comm.vote("broken", {"rank": rank}, _broken, 60.0, 5.0)
+    except CheckpointError as e:
+        out["broken"] = str(e)
+    out["after"] = comm.vote("after", {"rank": rank, "n": 1}, _tally, 60.0, 5.0)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_gets_the_same_count_of_every_ballot() -> None:
+    results = run_ranks(_votes, 3, timeout=90)
+    for r in results:
+        assert r["first"] == {"order": [0, 1, 2], "sum": 111}, r
+        assert r["gathered"] == [0, 1, 2]
+        assert r["second"] == {"order": [0, 1, 2], "sum": 3}
+        # a count that fails is raised on every rank, saying what failed, and the next works
+        assert "counting the votes of 'broken' failed" in r["broken"], r
+        assert "cannot count 3 ballots" in r["broken"], r
+        assert r["after"] == {"order": [0, 1, 2], "sum": 3}
+
+
+def test_one_process_counts_its_own_ballot() -> None:
+    assert Comm().vote("alone", {"rank": 0, "n": 7}, _tally, 1.0) == {"order": [0], "sum": 7}
