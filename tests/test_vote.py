@@ -49,3 +49,34 @@ def test_every_rank_gets_the_same_count_of_every_ballot() -> None:
 
 def test_one_process_counts_its_own_ballot() -> None:
     assert Comm().vote("alone", {"rank": 0, "n": 7}, _tally, 1.0) == {"order": [0], "sum": 7}
+
+
+def _slow_count(rank: int, world: int) -> dict[str, Any]:
+    """Rank 2 arrives last and counts slowly: the coordinator's heartbeat, seeing every ballot
+    posted, ends the wait first (as it does for a rank that froze there); every rank then
+    counts the ballots itself, and all get the same count."""
+    import time
+
+    from shardsafe.liveness import INTERVAL
+
+    calls = []
+
+    def slow(ballots: list[Any]) -> dict[str, Any]:
+        calls.append(len(ballots))
+        if rank == 2 and len(calls) == 1:
+            time.sleep(4 * INTERVAL)
+        return _tally(ballots)
+
+    comm = get_comm()
+    time.sleep(0.5 * rank)  # rank 0 waits first, rank 2 arrives last
+    out = comm.vote("slow", {"rank": rank, "n": rank + 1}, slow, 60.0, 30.0)
+    calls_in_vote = len(calls)
+    comm.arrive("done", 60.0, 30.0)  # rank 0's process hosts the store: it stays till the end
+    return {"out": out, "calls": calls_in_vote}
+
+
+@pytest.mark.timeout(120)
+def test_a_count_the_heartbeat_overtook_is_made_by_every_rank() -> None:
+    results = run_ranks(_slow_count, 3, timeout=90)
+    assert all(r["out"] == {"order": [0, 1, 2], "sum": 6} for r in results), results
+    assert results[0]["calls"] == 1 and results[1]["calls"] == 1, results

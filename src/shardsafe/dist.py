@@ -186,6 +186,11 @@ class Comm:
             raise DistributedError(
                 f"rank {self.rank}: {ended['message']}", {int(ended["rank"]): "dead"}
             )
+        if voting is not None and not isinstance(ended, dict):
+            # the coordinator's heartbeat saw every ballot posted and ended the wait before
+            # the last rank counted them (it froze or died there, or was just slower): each
+            # rank counts them itself, before the keys go (the same tally everywhere)
+            ended = json.loads(_tally(store, base, self.world_size, voting[1]))
         if int(store.add(f"{base}/done", 1)) == self.world_size:
             for key in [f"{base}/r{r}" for r in range(self.world_size)] + [
                 f"{base}/count",
