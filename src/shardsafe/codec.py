@@ -46,7 +46,7 @@ def array_view(a: np.ndarray) -> memoryview:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian C-order bytes of a (CPU) tensor, without copying when contiguous."""
-    t = t.detach().resolve_conj().resolve_neg()  # a lazy conjugate's bytes are its values'
+    t = t.detach().resolve_conj().resolve_neg()  # a lazily conjugated/negated view: its values
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()

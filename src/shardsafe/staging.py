@@ -10,10 +10,11 @@ waiting.
 CPU tensors go to a plain arena. A save that stages a few MiB of them (at most
 ``inline_bytes``) copies them on the calling thread: torch's ``copy_`` runs on its intra-op
 thread pool, whose threads sleep while the training leaves the host idle (a GPU computes, or
-the step waits), and waking them costs more than such a copy (on a gVisor VM 5 ms against
-0.4 ms for 4 MiB; on bare metal tens of microseconds, so the cost of the other way is at
-most a few hundred microseconds per save). Bigger stages take the pool: its wake-up is paid
-once per stage call, and its threads copy faster than one.
+the step waits), and waking them can cost more than such a copy (on the gVisor VM of the
+README's figures 2-6 ms against 0.5 ms for 4 MiB, about even at 16 MiB:
+``benchmarks/staging_copy.py``; on bare metal tens of microseconds, so the cost of the other
+way is at most a few hundred microseconds per save). Bigger stages take the pool: its
+wake-up is paid once per stage call, and its threads copy faster than one.
 
 A non-contiguous device view is gathered in slabs (:func:`copy_in_slabs`): each slab of at
 most ``slab_bytes`` is made contiguous on the device and copied to its place in the arena, so
@@ -569,14 +570,14 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def _copy_inline(dst: torch.Tensor, t: torch.Tensor) -> None:
     """:func:`_copy_bytes` on the calling thread for a contiguous CPU source (numpy's copy,
     which lets go of the GIL); anything else through :func:`_copy_bytes`."""
-    src = t.detach().resolve_conj().resolve_neg()  # a lazy conjugate's bytes are its values'
+    src = t.detach().resolve_conj().resolve_neg()  # a lazily conjugated/negated view: its values
     if src.device.type == "cpu" and src.is_contiguous():
         try:
             np.copyto(dst.numpy(), _flat_bytes(src).numpy())
             return
         except (RuntimeError, TypeError):  # a view numpy cannot take: torch's copy below
             pass
-    _copy_bytes(dst, t)
+    _copy_bytes(dst, src)
 
 
 def _copy_bytes(dst: torch.Tensor, t: torch.Tensor) -> None:
@@ -585,7 +586,7 @@ def _copy_bytes(dst: torch.Tensor, t: torch.Tensor) -> None:
     ``torch.copy_`` runs on the intra-op thread pool and without the GIL; a non-contiguous
     source is gathered in the same pass, without a contiguous temporary.
     """
-    src = t.detach().resolve_conj().resolve_neg()  # a lazy conjugate's bytes are its values'
+    src = t.detach().resolve_conj().resolve_neg()  # a lazily conjugated/negated view: its values
     try:
         if src.is_contiguous():
             dst.copy_(_flat_bytes(src))
