@@ -31,7 +31,29 @@ def _votes(rank: int, world: int) -> dict[str, Any]:
     except CheckpointError as e:
         out["broken"] = str(e)
     out["after"] = comm.vote("after", {"rank": rank, "n": 1}, _tally, 60.0, 5.0)
+    out["left"] = _keys_left_after_beats(comm)
+    comm.arrive("end", 60.0, 5.0)  # rank 0 hosts the store: nobody looks after it has gone
     return out
+
+
+def _keys_left_after_beats(comm: Comm) -> list[str]:
+    """The arrival keys of this rank's finished waits still in the store two beats later:
+    the heartbeat deletes them off the waits' path, and it must delete every one."""
+    import time
+
+    from shardsafe.dist import _group_tag, _store
+    from shardsafe.liveness import INTERVAL
+
+    store = _store()
+    tag = _group_tag(comm)
+    last = int(store.add(f"shardsafe/arrivals/{tag}/r{comm.rank}", 0))
+    time.sleep(2.5 * INTERVAL)
+    keys = [
+        f"shardsafe/arrive/{tag}/{seq}/{name}"
+        for seq in range(1, last + 1)
+        for name in [*(f"r{r}" for r in range(comm.world_size)), "count", "done", "all"]
+    ]
+    return [k for k in keys if store.check([k])]
 
 
 @pytest.mark.timeout(120)
@@ -45,6 +67,7 @@ def test_every_rank_gets_the_same_count_of_every_ballot() -> None:
         assert "counting the votes of 'broken' failed" in r["broken"], r
         assert "cannot count 3 ballots" in r["broken"], r
         assert r["after"] == {"order": [0, 1, 2], "sum": 3}
+        assert r["left"] == [], r["left"]
 
 
 def test_one_process_counts_its_own_ballot() -> None:

@@ -192,13 +192,11 @@ class Comm:
             # rank counts them itself, before the keys go (the same tally everywhere)
             ended = json.loads(_tally(store, base, self.world_size, voting[1]))
         if int(store.add(f"{base}/done", 1)) == self.world_size:
-            for key in [f"{base}/r{r}" for r in range(self.world_size)] + [
-                f"{base}/count",
-                f"{base}/done",
-                done,
-            ]:
-                with contextlib.suppress(Exception):
-                    store.delete_key(key)
+            # every rank has read what it needs: the heartbeat deletes the keys at its next beat
+            beat.discard(
+                [f"{base}/r{r}" for r in range(self.world_size)]
+                + [f"{base}/count", f"{base}/done", done]
+            )
         if voting is None:
             return None
         if "failed" in ended:

@@ -116,6 +116,7 @@ thread (about 0.4 s at 100 µs each).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -245,6 +246,7 @@ class Heartbeat:
         self._multi = True  # the store answers ``multi_get`` (else one read per rank)
         self._host0: str | None = socket.gethostname() if global_rank == 0 else None
         self._rates: dict[int, float] = {}  # faster beats asked for while a commit waits
+        self._discarded: list[str] = []  # keys to delete at the next beat (see discard)
         self._wake = threading.Event()
         self._stopping = False
         self._lock = threading.Lock()
@@ -297,6 +299,21 @@ class Heartbeat:
     def unwatch(self, handle: int) -> None:
         with self._lock:
             self._watches.pop(handle, None)
+
+    def discard(self, keys: list[str]) -> None:
+        """Delete ``keys`` from the store at the next beat, off the caller's path: a finished
+        wait's keys, which nothing reads any more (each request is a round trip that a save
+        would otherwise block for)."""
+        with self._lock:
+            self._discarded.extend(keys)
+
+    def _delete_discarded(self) -> None:
+        with self._lock:
+            keys, self._discarded = self._discarded, []
+        client = _Timed(self.client, self)
+        for key in keys:
+            with contextlib.suppress(Exception):  # gone already, or the store is: nothing to keep
+                client.delete_key(key)
 
     def look_now(self) -> None:
         """Beat and look at the watched ranks now rather than at the next interval (a wait
@@ -425,6 +442,7 @@ class Heartbeat:
                 for w in watches:
                     self._apply_board(w)
                     self._check(w)
+                self._delete_discarded()
             except Exception as e:  # the store is gone: every wait raises, naming it
                 self._store_failed = (time.monotonic(), f"{type(e).__name__}: {e}"[:200])
                 log.warning(

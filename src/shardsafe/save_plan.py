@@ -14,15 +14,21 @@ round through the store (:meth:`Comm.vote`): each rank's ballot rides in its arr
 to arrive counts them (:func:`tally_planning`), and every rank reads the count; a cache miss
 adds a gather and a scatter of the plans, diverging replicas an all-gather of their digests.
 Errors of any rank reach every rank.
+
+A rank whose structure matches its cached plan does not wait for the vote idle: the lease and
+the vote run in a thread of their own while the caller's ``while_voting`` (the Saver's staging
+copy) runs on the calling thread, with the assignment the cached plan gives this rank. The
+work is a guess the vote confirms or not: ``PlannedSave.cached`` with that same assignment
+says it fits the agreed plan; otherwise the caller drops it and works from the plan agreed.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import xxhash
@@ -33,7 +39,7 @@ from .dist import Comm, error_record, outcome, raise_for
 from .dtypes import dtype_name
 from .errors import UnsafeObjectError, ValidationError
 from .lease import LEASE_SECONDS, Lease
-from .liveness import DEAD_AFTER
+from .liveness import DEAD_AFTER, in_thread
 from .location import Location
 from .planning import GlobalPlan, LocalPlan, ObjectDesc, PieceDesc, RankAssignment, make_global_plan
 from .save_target import abort, begin
@@ -231,11 +237,14 @@ def plan_save(
     lease_ttl: float = LEASE_SECONDS,
     dead_after: float = DEAD_AFTER,
     leads_place: bool = False,
+    while_voting: Callable[[SplitStateDict, RankAssignment], None] | None = None,
 ) -> PlannedSave:
     """Collective: validate and plan (or reuse the cached plan); raise the same error everywhere.
 
     ``leads_place``: this rank publishes in a place of its own and takes its lease here too
-    when the token is known ahead (see the module docstring; ``places_begun`` says it was)."""
+    when the token is known ahead (see the module docstring; ``places_begun`` says it was).
+    ``while_voting(split, assignment)`` runs during the vote when this rank's cached plan may
+    hold (see the module docstring); it must not raise but for an interrupt."""
 
     def checked() -> tuple[SplitStateDict, LocalPlan, dict[str, str]]:
         check_content_metadata(content_metadata)
@@ -258,25 +267,47 @@ def plan_save(
         cache.next_token = None  # used once, whatever happens to this save
     token = ahead if ahead is not None else uuid.uuid4().hex[:16]
     lease: Lease | None = None
-    if (comm.is_coordinator or (leads_place and ahead is not None)) and err is None:
-        lease, err = outcome(lambda: begin(loc, token, overwrite, lease_ttl))
+    takes_lease = (comm.is_coordinator or (leads_place and ahead is not None)) and err is None
+
+    def cast_vote() -> dict[str, Any]:
+        nonlocal lease, err
+        if takes_lease:
+            lease, err = outcome(lambda: begin(loc, token, overwrite, lease_ttl))
+        return cast(
+            dict[str, Any],
+            comm.vote(
+                "save planning",
+                {
+                    "cached": candidate,
+                    "error": err,
+                    "token": token if comm.is_coordinator else None,
+                    "digest": combined(digests),
+                    "ahead": ahead,
+                    "next": uuid.uuid4().hex[:16] if comm.is_coordinator else None,
+                },
+                tally_planning,
+                timeout,
+                dead_after,
+            ),
+        )
+
+    def voted() -> dict[str, Any]:
+        """The vote's count; with ``while_voting`` run meanwhile when the cached plan may hold."""
+        if while_voting is None or candidate is None or prepared is None:
+            return cast_vote()
+        assert cache is not None and cache.entry is not None
+        done, box = in_thread(cast_vote, "shardsafe-planning")
+        try:
+            while_voting(prepared[0], cache.entry.assignment)
+        finally:
+            done.wait()  # the vote ends (or names a lost rank) whatever happened here
+        if "error" in box:
+            raise box["error"]
+        return cast(dict[str, Any], box["result"])
 
     def agree() -> PlannedSave:
         nonlocal lease
-        vote = comm.vote(
-            "save planning",
-            {
-                "cached": candidate,
-                "error": err,
-                "token": token if comm.is_coordinator else None,
-                "digest": combined(digests),
-                "ahead": ahead,
-                "next": uuid.uuid4().hex[:16] if comm.is_coordinator else None,
-            },
-            tally_planning,
-            timeout,
-            dead_after,
-        )
+        vote = voted()
         if cache is not None:
             cache.next_token = vote["next"]
         errors = vote["errors"] or [None] * comm.world_size

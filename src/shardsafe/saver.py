@@ -9,8 +9,10 @@ frees them. It runs the steps of a save, each in its module: plan (:mod:`.save_p
 pool (``Saver(staging=)``, as a CheckpointManager's two tiers do): a save holds it from its
 first staged byte until its last one is written, and another waits for that.
 
-What ``async_save`` blocks on: planning (one tiny all-gather when the plan is cached), and
-the copy of this rank's share into host memory. Writing, checksums, fsync and the commit
+What ``async_save`` blocks on: planning (one vote through the store when the plan is cached),
+and the copy of this rank's share into host memory; with a cached plan the copy runs while
+the vote does (:mod:`.save_plan`; dropped and made again in the rare save whose vote agrees
+on another plan). Writing, checksums, fsync and the commit
 run in the background; the commit is signalled through the process group's store, so the
 training loop never has to call anything.
 
@@ -50,6 +52,7 @@ from .errors import ValidationError, call_each
 from .format import Manifest
 from .lease import LEASE_SECONDS
 from .location import locate
+from .planning import RankAssignment
 from .save_plan import PlanCache, PlannedSave, plan_save
 from .save_plan import prepare as split_pieces
 from .save_write import (
@@ -60,7 +63,7 @@ from .save_write import (
     waves,
     write_share,
 )
-from .sharding import ShardedTensor
+from .sharding import ShardedTensor, SplitStateDict
 from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
 from .staging import StagingHold, StagingPool, staged_bytes
 
@@ -86,6 +89,7 @@ class SaveStats:
     token: str = ""  # the save's id, the same on every rank
     manifest: Manifest | None = None  # where the outcome carries it (a local-tier save's)
     seconds_draining: float = 0.0  # a local step's copy into the persistent tier
+    staged_while_planning: bool = False  # the staging copy ran during the planning vote
 
 
 class AsyncSaveHandle:
@@ -341,12 +345,53 @@ class Saver:
 
         A save still in flight is waited for first (its staging buffers are reused).
         """
-        comm, planned, t0, t_plan = self._plan(
-            sharded_state_dict, path, overwrite, content_metadata
-        )
+        guesses: list[_StagedAhead] = []
+        try:
+            comm, planned, t0, t_plan = self._plan(
+                sharded_state_dict, path, overwrite, content_metadata, self._stager(path, guesses)
+            )
+        except BaseException:
+            for guess in guesses:
+                guess.release()
+            raise
+        ahead = None
+        for guess in guesses:
+            if planned.cached and guess.assignment is planned.assignment:
+                ahead = guess
+            else:  # the vote agreed on another plan: this rank's share is staged anew
+                guess.release()
         return self._stage_and_submit(
-            comm, planned, t0, t_plan, overwrite, content_metadata, progress
+            comm, planned, t0, t_plan, overwrite, content_metadata, progress, ahead
         )
+
+    def _stager(
+        self, path: str | os.PathLike[str], out: list[_StagedAhead]
+    ) -> Callable[[SplitStateDict, RankAssignment], None]:
+        """``while_voting`` for :func:`plan_save`: stage the share the cached plan gives this
+        rank while the vote runs (a share that fits the byte budget in one wave; waves are
+        staged after planning). Errors are kept for the save to report, as staging's are."""
+
+        def stage_ahead(split: SplitStateDict, assignment: RankAssignment) -> None:
+            pieces = list(assignment.pieces)
+            sizes = [(i, _nbytes(split.tensors[i][1])) for i in pieces]
+            if not pieces or len(waves(sizes, self.max_staging_bytes)) > 1:
+                return
+            guess = _StagedAhead(assignment)
+            out.append(guess)
+            try:
+                what = f"the {self.target.what} into {locate(path).url}"
+                guess.hold = self.staging.hold(what, self.timeout)
+                guess.items = self._stage_pieces(split, pieces, guess.hold)
+            except Exception as e:
+                guess.error = e
+
+        return stage_ahead
+
+    def _stage_pieces(
+        self, split: SplitStateDict, pieces: list[int], hold: StagingHold | None
+    ) -> list[tuple[Any, Any]]:
+        staged = self.staging.stage([_to_stage(split.tensors[i][1]) for i in pieces], hold)
+        return [(("p", i), item) for i, item in zip(pieces, staged, strict=True)]
 
     def _stage_and_submit(
         self,
@@ -357,24 +402,28 @@ class Saver:
         overwrite: bool,
         content_metadata: Mapping[str, Any] | None,
         progress: ProgressFn | None,
+        ahead: _StagedAhead | None = None,
     ) -> AsyncSaveHandle:
         """Stage this rank's share (in waves under the byte budget), then write and commit in
-        the background."""
+        the background. ``ahead``: the share staged during the planning vote, for this plan."""
         sizes = [(i, planned.local_plan.pieces[i].nbytes) for i in planned.assignment.pieces]
         groups = waves(sizes, self.max_staging_bytes)
         early: list[dict[str, Any]] = []  # records of the waves written before returning
         # the pool, from the first staged byte until the last is written (it may be shared
         # with another Saver, whose save must not stage over bytes this one still writes)
-        hold: StagingHold | None = None
+        hold: StagingHold | None = ahead.hold if ahead is not None else None
 
         def stage(pieces: list[int]) -> list[tuple[Any, Any]]:
-            staged = self.staging.stage(
-                [_to_stage(planned.split.tensors[i][1]) for i in pieces], hold
-            )
-            return [(("p", i), item) for i, item in zip(pieces, staged, strict=True)]
+            return self._stage_pieces(planned.split, pieces, hold)
 
         def stage_all() -> ShareItems:
             nonlocal hold
+            if ahead is not None:
+                if ahead.error is not None:
+                    raise ahead.error
+                s = encode_share(planned, comm.rank, comm.is_coordinator, copy_blobs=True)
+                s.items[:0] = ahead.items
+                return s
             if sizes:
                 hold = self.staging.hold(
                     f"the {self.target.what} into {planned.loc.url}", self.timeout
@@ -411,8 +460,8 @@ class Saver:
             if hold is not None:
                 hold.release()
 
-        channel = self._channel(comm, planned)
         try:
+            channel = self._channel(comm, planned)
             share, err = outcome(stage_and_report)
         except BaseException:  # an interrupt: nothing will write what was staged
             let_go()
@@ -461,6 +510,7 @@ class Saver:
             raise_for(status.get("errors") or [], f"async {self.target.what}")
             stats = _stats(planned, result, status, t0, t_plan, t_write)
             stats.seconds_blocked = blocked
+            stats.staged_while_planning = ahead is not None
             _log_done(comm, stats, progress)
             return stats
 
@@ -479,6 +529,7 @@ class Saver:
         path: str | os.PathLike[str],
         overwrite: bool,
         content_metadata: Mapping[str, Any] | None,
+        while_voting: Callable[[SplitStateDict, RankAssignment], None] | None = None,
     ) -> tuple[Comm, PlannedSave, float, float]:
         """Wait for the save in flight, then plan this one: (comm, plan, start time, planning s)."""
         self._settle_previous()
@@ -495,6 +546,7 @@ class Saver:
             self.lease_ttl,
             self.dead_after,
             self.target.leads_place,
+            while_voting,
         )
         self.target.begin_places(comm, planned, overwrite)
         return comm, planned, t0, time.perf_counter() - t0
@@ -658,6 +710,25 @@ class Saver:
                 self.staging.release()
             self.direct_io.close()
             self._clients = None
+
+
+@dataclass
+class _StagedAhead:
+    """This rank's share staged during the planning vote for the cached plan's ``assignment``:
+    used when the vote agrees on that plan, released otherwise."""
+
+    assignment: RankAssignment
+    hold: StagingHold | None = None
+    items: list[tuple[Any, Any]] = field(default_factory=list)
+    error: Exception | None = None
+
+    def release(self) -> None:
+        if self.hold is not None:
+            self.hold.release()
+
+
+def _nbytes(st: ShardedTensor) -> int:
+    return st.numel * st.dtype.itemsize
 
 
 def _data(st: ShardedTensor) -> torch.Tensor:
