@@ -163,3 +163,28 @@ def test_a_rank_that_died_while_the_watcher_could_not_look_is_named_after_the_gr
     finally:
         stop.set()
         del store
+
+
+def test_a_slow_store_connection_is_reported_with_its_likely_cause(caplog: Any) -> None:
+    """Opening a store connection should take a millisecond; one that took longer than
+    ``warn_after`` (here 0 s, so a real connection to a real store counts as slow) is logged
+    with the address and what to do about the name lookup behind it; a quick one is not."""
+    import logging
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    from shardsafe.liveness import open_connection, store_address
+
+    server = tdist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30), wait_for_workers=False)
+    address = store_address(server)
+    with caplog.at_level(logging.WARNING, logger="shardsafe"):
+        quick = open_connection(server.clone, address, warn_after=60.0)
+        assert not caplog.records
+        slow = open_connection(server.clone, address, warn_after=0.0)
+    quick.set("k", "v")
+    assert bytes(slow.get("k")) == b"v"  # a working client either way
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert address in message and address.endswith(f":{server.port}")
+    assert "::ffff:" in message and "/etc/hosts" in message

@@ -37,7 +37,7 @@ def _votes(rank: int, world: int) -> dict[str, Any]:
 
 
 def _keys_left_after_beats(comm: Comm) -> list[str]:
-    """The arrival keys of this rank's finished waits still in the store two beats later:
+    """The arrival keys of this rank's finished waits still in the store after three beats:
     the heartbeat deletes them off the waits' path, and it must delete every one."""
     import time
 
@@ -47,13 +47,17 @@ def _keys_left_after_beats(comm: Comm) -> list[str]:
     store = _store()
     tag = _group_tag(comm)
     last = int(store.add(f"shardsafe/arrivals/{tag}/r{comm.rank}", 0))
-    time.sleep(2.5 * INTERVAL)
     keys = [
         f"shardsafe/arrive/{tag}/{seq}/{name}"
         for seq in range(1, last + 1)
         for name in [*(f"r{r}" for r in range(comm.world_size)), "count", "done", "all"]
     ]
-    return [k for k in keys if store.check([k])]
+    deadline = time.monotonic() + 3 * INTERVAL
+    while True:
+        left = [k for k in keys if store.check([k])]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 @pytest.mark.timeout(120)

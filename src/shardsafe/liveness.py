@@ -140,6 +140,8 @@ DEAD_AFTER = 10.0
 """Seconds without a heartbeat after which an awaited rank counts as dead."""
 MIN_DEAD_AFTER = 3 * INTERVAL
 """A shorter ``dead_after`` is raised to this: fewer missed beats would name a busy rank."""
+SLOW_CONNECT = 1.0
+"""Seconds after which opening a store connection (a millisecond, usually) is worth a warning."""
 POLL = 0.25
 """Seconds between two looks of a waiting thread at whether the store still answers."""
 STALL_GRACE = 2 * INTERVAL
@@ -218,12 +220,12 @@ class Heartbeat:
 
     def __init__(self, store: Any, global_rank: int, world_size: int = 1) -> None:
         self._store = weakref.ref(store)
+        self.address = store_address(store)
         try:
-            self.client = store.clone()
+            self.client = open_connection(store.clone, self.address)
         except Exception:  # a store that cannot be cloned (tests' HashStore) serves both threads
             self.client = store
         self.global_rank = global_rank
-        self.address = store_address(store)
         self._watches: dict[int, Watch] = {}
         # global rank -> (its beat counter, when this process first saw that value): shared by
         # every wait, so a rank already silent when a wait starts (named by an earlier one a
@@ -657,6 +659,29 @@ class Heartbeat:
             self._exited.discard(g)
         elif seen is not None and seen[0] < EXITED:
             self._exited.add(g)
+
+
+def open_connection(open_: Callable[[], T], address: str, warn_after: float = SLOW_CONNECT) -> T:
+    """``open_()``, a new client of the store at ``address``, with a warning naming the likely
+    cause when it took longer than ``warn_after`` s: torch's TCPStore client asks for the name
+    of the address it connected to (``getnameinfo``, in IPv4-mapped form) on every connection,
+    so a resolver that is slow to answer (or drops a query: 5 s) stalls each one, and the
+    thread opening it holds the interpreter meanwhile."""
+    t0 = time.monotonic()
+    client = open_()
+    took = time.monotonic() - t0
+    if took > warn_after:
+        log.warning(
+            "opening a connection to the process group's store at %s took %.1f s (a millisecond "
+            "is usual, and training stalls meanwhile): torch's TCPStore client looks up the name "
+            "of the address it connects to, in IPv4-mapped form (::ffff:a.b.c.d), on every "
+            "connection, and this host's resolver answered slowly. Put the store's address in "
+            "that form in /etc/hosts (e.g. '::ffff:127.0.0.1 localhost') or make the resolver "
+            "answer at once",
+            address,
+            took,
+        )
+    return client
 
 
 def in_thread(fn: Callable[[], Any], name: str) -> tuple[threading.Event, dict[str, Any]]:

@@ -52,7 +52,7 @@ import torch.distributed as tdist
 from .dist import Comm
 from .errors import DistributedError
 from .liveness import DEAD_AFTER as DEAD_AFTER
-from .liveness import HEARTBEATS, Heartbeat, Watch, dead_after_of
+from .liveness import HEARTBEATS, Heartbeat, Watch, dead_after_of, open_connection, store_address
 
 T = TypeVar("T")
 
@@ -99,7 +99,7 @@ def connect() -> StoreClients:
     if heartbeat.client is shared:  # a store that cannot be cloned: two fresh connections
         return StoreClients(_fresh(tcp), _fresh(tcp), True)
     return StoreClients(
-        tdist.PrefixStore("shardsafe", shared.clone()),
+        tdist.PrefixStore("shardsafe", open_connection(shared.clone, store_address(shared))),
         tdist.PrefixStore("shardsafe", heartbeat.client),
         True,
     )
@@ -108,12 +108,15 @@ def connect() -> StoreClients:
 def _fresh(tcp: Any) -> Any:
     return tdist.PrefixStore(
         "shardsafe",
-        tdist.TCPStore(
-            tcp.host,
-            tcp.port,
-            is_master=False,
-            timeout=timedelta(seconds=60),
-            wait_for_workers=False,
+        open_connection(
+            lambda: tdist.TCPStore(
+                tcp.host,
+                tcp.port,
+                is_master=False,
+                timeout=timedelta(seconds=60),
+                wait_for_workers=False,
+            ),
+            store_address(tcp),
         ),
     )
 
