@@ -26,6 +26,7 @@ import contextlib
 import multiprocessing as mp
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -53,9 +54,9 @@ def main() -> None:
     server = ctx.Process(target=_server, args=(port, ready, not args.legacy), daemon=True)
     server.start()
     ready.wait()
-    clients, times = [], []
-    for _ in range(args.connections):
-        t0 = time.monotonic()
+    clients: list[Any] = []
+
+    def connect() -> None:
         clients.append(
             dist.TCPStore(
                 "127.0.0.1",
@@ -65,25 +66,31 @@ def main() -> None:
                 wait_for_workers=False,
             )
         )
+
+    def look_up() -> None:
+        with contextlib.suppress(OSError):  # no name: the time is what counts
+            socket.getnameinfo(("::ffff:127.0.0.1", port, 0, 0), socket.NI_NUMERICSERV)
+
+    _report(connect, args.connections, "connections opened one after another")
+    server.kill()
+    _report(
+        look_up,
+        args.connections,
+        "lookups of the name of ::ffff:127.0.0.1 (what each TCPStore connection makes)",
+    )
+
+
+def _report(fn: Callable[[], None], n: int, what: str) -> None:
+    """Run ``fn`` ``n`` times one after another; print the median and every slow one."""
+    times = []
+    for _ in range(n):
+        t0 = time.monotonic()
+        fn()
         times.append(time.monotonic() - t0)
     slow = [(i + 1, round(t, 2)) for i, t in enumerate(times) if t > 0.5]
     print(
-        f"{args.connections} connections opened one after another: median "
-        f"{sorted(times)[len(times) // 2] * 1000:.1f} ms; slower than 0.5 s (n-th, seconds): "
-        f"{slow or 'none'}"
-    )
-    server.kill()
-    lookups = []
-    for _ in range(args.connections):
-        t0 = time.monotonic()
-        with contextlib.suppress(OSError):  # no name: the time is what counts
-            socket.getnameinfo(("::ffff:127.0.0.1", port, 0, 0), socket.NI_NUMERICSERV)
-        lookups.append(time.monotonic() - t0)
-    slow = [(i + 1, round(t, 2)) for i, t in enumerate(lookups) if t > 0.5]
-    print(
-        f"{args.connections} lookups of the name of ::ffff:127.0.0.1 (what each TCPStore "
-        f"connection makes): median {sorted(lookups)[len(lookups) // 2] * 1000:.1f} ms; slower "
-        f"than 0.5 s (n-th, seconds): {slow or 'none'}"
+        f"{n} {what}: median {sorted(times)[len(times) // 2] * 1000:.1f} ms; "
+        f"slower than 0.5 s (n-th, seconds): {slow or 'none'}"
     )
 
 
