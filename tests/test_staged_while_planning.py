@@ -106,3 +106,30 @@ def test_a_stage_that_failed_during_the_vote_fails_the_save(tmp_path: Path) -> N
         torch.arange(N, dtype=torch.float32) + 1,
     )
     saver.close()
+
+
+class _QueuedCopy:
+    """Stands for the CUDA event of a device copy still in flight (no GPU here): records
+    whether anyone waited for it."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_a_guess_the_vote_did_not_confirm_waits_for_its_copies_before_letting_go() -> None:
+    """The pinned arena a dropped guess staged into may be replaced by the next stage (unlocked
+    and unmapped): the pool is let go only once the guess's device copies have landed."""
+    from shardsafe.planning import RankAssignment
+    from shardsafe.saver import _StagedAhead
+    from shardsafe.staging import StagedItem
+
+    pool = StagingPool()
+    copies = [_QueuedCopy(), _QueuedCopy()]
+    guess = _StagedAhead(RankAssignment((0, 1), ()), pool.hold("a dropped guess"))
+    guess.items = [(("p", i), StagedItem(memoryview(b"x"), c)) for i, c in enumerate(copies)]
+    guess.release()
+    assert all(c.waited for c in copies)
+    assert pool.holder is None

@@ -31,6 +31,7 @@ coordinator checks before the target decides.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -723,8 +724,18 @@ class _StagedAhead:
     error: Exception | None = None
 
     def release(self) -> None:
-        if self.hold is not None:
-            self.hold.release()
+        """Let the pool go once no copy into it is in flight: a device copy queued for a guess
+        the vote did not confirm still lands in the pinned arena, which the next stage may
+        replace (unlock and unmap) when it needs a bigger one."""
+        try:
+            for _, item in self.items:
+                ready = getattr(item, "ready", None)
+                if callable(ready):
+                    with contextlib.suppress(Exception):  # a failed copy lands nowhere
+                        ready()
+        finally:
+            if self.hold is not None:
+                self.hold.release()
 
 
 def _nbytes(st: ShardedTensor) -> int:

@@ -43,6 +43,7 @@ always sees it end.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import threading
@@ -438,18 +439,26 @@ class StagingPool:
             arena = self._pinned_arena(need[True]) if any(pinned) else None
             offsets = {False: 0, True: 0}
             out: list[StagedItem] = []
-            for t, size, is_pinned in zip(tensors, sizes, pinned, strict=True):
-                start = offsets[is_pinned]
-                offsets[is_pinned] += _aligned(size)
-                if is_pinned:
-                    assert arena is not None
-                    out.append(self._stage_pinned(t, arena, start, size))
-                else:
-                    assert plain is not None
-                    dst = plain[start : start + size]
-                    if size:
-                        copy_in_slabs(t.detach(), dst, self.slab_bytes, copy_plain)
-                    out.append(StagedItem(array_view(dst.numpy())))
+            try:
+                for t, size, is_pinned in zip(tensors, sizes, pinned, strict=True):
+                    start = offsets[is_pinned]
+                    offsets[is_pinned] += _aligned(size)
+                    if is_pinned:
+                        assert arena is not None
+                        out.append(self._stage_pinned(t, arena, start, size))
+                    else:
+                        assert plain is not None
+                        dst = plain[start : start + size]
+                        if size:
+                            copy_in_slabs(t.detach(), dst, self.slab_bytes, copy_plain)
+                        out.append(StagedItem(array_view(dst.numpy())))
+            except BaseException:
+                # the device copies already queued land in the arena: wait for them before the
+                # failed save lets the pool go (the next stage may replace the arena)
+                for item in out:
+                    with contextlib.suppress(Exception):
+                        item.ready()
+                raise
             return out
 
     def _stage_pinned(
