@@ -1,5 +1,6 @@
-"""A store that holds every request for a while (a TCP store does, for 4-5 s, while ranks open
-new connections to it) is not a rank's death: the watching process could not look either, so
+"""A store that holds every request for a while (a TCP store seemed to, for 4-5 s, while ranks
+opened new connections to it: each connecting thread held its interpreter through a name lookup
+the resolver had dropped) is not a rank's death: the watching process could not look either, so
 its clocks start again; a rank that really stopped is still named afterwards."""
 
 from __future__ import annotations

@@ -224,8 +224,10 @@ class Saver:
     # -- ahead of the first save -------------------------------------------------------------
     def connect(self) -> None:
         """Open the commit protocol's store connections now rather than at the first save.
-        Opening a TCP store connection holds the interpreter, and here took 4-5 s at times,
-        every rank at once: in the middle of training that stalls the step and the heartbeat
+        Opening a TCP store connection holds the interpreter, and took 5 s at times here
+        (torch's client looks up the name of the store's address on every connection, and
+        the resolver dropped some lookups: :func:`shardsafe.liveness.open_connection` warns
+        of it): in the middle of training that stalls the step and the heartbeat
         (:data:`shardsafe.liveness.STALL_GRACE`). A :class:`CheckpointManager` calls it."""
         if self._clients is None and self.comm().distributed:
             self._clients = connect()
