@@ -463,7 +463,9 @@ def restart(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from tests.tierstate import COLS, ROWS, rows_of, state_of, train_step
 
     host = cfg["hosts"][rank]
-    mgr = _manager(cfg, host, persistent_every=1)
+    t0 = time.monotonic()
+    mgr = _manager(cfg, host, persistent_every=1)  # opens its store connections
+    construct_s = time.monotonic() - t0
     w = torch.full((ROWS // world, COLS), float("nan"), dtype=torch.float64)
     m = torch.full_like(w, float("nan"))
     armed = _Armed(cfg, rank) if _strikes(cfg, rank) else None
@@ -479,6 +481,7 @@ def restart(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "step": state["step"],
         "tier": mgr.restored_tier,
         "restored_time": restored,
+        "construct_s": construct_s,
         "w": w.tolist(),
         "m": m.tolist(),
     }
@@ -558,6 +561,7 @@ def _rank_main(
         cfg = {**cfg, "host_pids": host_pids}
         pg_timeout = datetime.timedelta(seconds=60)
         master = cfg.get("master", "127.0.0.1")  # in namespaces: rank 0's host
+        t_pg = time.monotonic()
         if cfg["store"] == "agent":  # hosted by the harness, as torchrun's agent hosts it
             store = dist.TCPStore(master, port, world, is_master=False, timeout=pg_timeout)
             dist.init_process_group(
@@ -571,7 +575,12 @@ def _rank_main(
                 world_size=world,
                 timeout=pg_timeout,
             )
-        result = {"start": start, **{"train": train, "restart": restart}[fn_name](rank, world, cfg)}
+        pg_s = time.monotonic() - t_pg
+        result = {
+            "start": start,
+            "pg_s": pg_s,
+            **{"train": train, "restart": restart}[fn_name](rank, world, cfg),
+        }
     except BaseException as e:
         result = {
             "error": f"{type(e).__name__}: {e}",
@@ -844,6 +853,10 @@ class CycleResult:
     detect_s: list[float] = field(default_factory=list)  # survivors: fault to their error
     seconds: float = 0.0
     lease_wait_s: float | None = None  # namespaces: the restart's save waited for a lease
+    # the restart's slowest rank's time to open its store connections: joining the process
+    # group and constructing the manager (a stall there is the name lookup of
+    # benchmarks/store_connect.py, not recovery work)
+    connect_s: float | None = None
 
 
 def _place_dir(tmp: str, host: str) -> str | None:
@@ -1241,6 +1254,10 @@ def run_cycle(
         res.recover_s = max(
             p3.results[r]["restored_time"] - p3.results[r]["start"] for r in range(world)
         )
+        res.connect_s = max(
+            p3.results[r].get("pg_s", 0.0) + p3.results[r].get("construct_s", 0.0)
+            for r in range(world)
+        )
         if len(steps) != 1:
             raise CycleFailure(f"the ranks restored different steps: {steps}")
         if res.restored not in (res.expected, unleased):
@@ -1371,6 +1388,14 @@ def summary(results: list[CycleResult], slack: float, namespaces_every: int = 0)
             f"p50 {percentile(ttr, 50):.2f} s, p95 {percentile(ttr, 95):.2f} s, "
             f"max {max(ttr):.2f} s, mean {statistics.mean(ttr):.2f} s"
         )
+        slow = [r for r in results if r.ok and r.recover_s is not None and r.recover_s > 4.0]
+        if slow:
+            stalled = [r for r in slow if r.connect_s is not None and r.connect_s > 4.0]
+            lines.append(
+                f"  over 4 s: {len(slow)}; of them, a rank that took over 4 s to open its store "
+                f"connections (joining the group and constructing the manager; see "
+                f"benchmarks/store_connect.py): {len(stalled)}"
+            )
     det = [d for r in results for d in r.detect_s]
     if det:
         lines.append(
