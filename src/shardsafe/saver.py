@@ -31,7 +31,6 @@ coordinator checks before the target decides.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -66,7 +65,7 @@ from .save_write import (
 )
 from .sharding import ShardedTensor, SplitStateDict
 from .signals import DEAD_AFTER, StoreChannel, StoreClients, connect
-from .staging import StagingHold, StagingPool, staged_bytes
+from .staging import StagingHold, StagingPool, staged_bytes, wait_for_copies
 
 log = logging.getLogger("shardsafe")
 
@@ -730,11 +729,7 @@ class _StagedAhead:
         the vote did not confirm still lands in the pinned arena, which the next stage may
         replace (unlock and unmap) when it needs a bigger one."""
         try:
-            for _, item in self.items:
-                ready = getattr(item, "ready", None)
-                if callable(ready):
-                    with contextlib.suppress(Exception):  # a failed copy lands nowhere
-                        ready()
+            wait_for_copies([item for _, item in self.items])
         finally:
             if self.hold is not None:
                 self.hold.release()

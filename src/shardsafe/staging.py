@@ -221,6 +221,15 @@ class PinnedArena:
             self._map = None
 
 
+def wait_for_copies(items: Sequence[StagedItem]) -> None:
+    """Wait until the device copies queued for ``items`` have landed in their arena (a copy
+    that failed lands nowhere): staged bytes let go unused must not be written into after the
+    pool is let go, since the next stage may replace (unlock and unmap) the arena."""
+    for item in items:
+        with contextlib.suppress(Exception):
+            item.ready()
+
+
 @dataclass
 class StagedItem:
     """A staged copy: the bytes to write, and the CUDA event to wait for before reading them."""
@@ -453,11 +462,7 @@ class StagingPool:
                             copy_in_slabs(t.detach(), dst, self.slab_bytes, copy_plain)
                         out.append(StagedItem(array_view(dst.numpy())))
             except BaseException:
-                # the device copies already queued land in the arena: wait for them before the
-                # failed save lets the pool go (the next stage may replace the arena)
-                for item in out:
-                    with contextlib.suppress(Exception):
-                        item.ready()
+                wait_for_copies(out)  # before the failed save lets the pool go
                 raise
             return out
 
